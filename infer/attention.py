@@ -1,0 +1,218 @@
+"""Attention over the paged KV cache, behind one interface with two backends.
+
+A backend is planned once per step from the step's `PageMetadata` (all layers share the plan) and then
+called by every layer. Two attention kinds are served:
+  - `attend`:     grouped-query attention; the layer's cache is [num_pages, 2, page_size, kv_heads, head_dim]
+                  (FlashInfer's NHD layout, K at index 0, V at 1).
+  - `attend_mla`: DeepSeek's multi-head latent attention in its absorbed form: queries already multiplied
+                  by W_UK, keys are [compressed latent ; rope key] shared by all heads, values are the latent.
+                  Caches: ckv [num_pages, page_size, kv_lora_rank] and kpe [num_pages, page_size, rope_dim]
+                  (FlashInfer's MLA layout).
+`TorchAttention` gathers pages into padded batches and calls SDPA (CPU, tests); `FlashInferAttention` runs
+FlashInfer's paged kernels (GPU), imported only when chosen.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+from typing import Protocol
+
+import torch
+import torch.nn.functional as F
+
+from infer.kv_cache import PageMetadata
+
+
+class AttentionBackend(Protocol):
+    def plan(self, meta: PageMetadata) -> None: ...
+
+    def attend(
+        self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, kv_cache: torch.Tensor, scale: float
+    ) -> torch.Tensor:
+        """q [T, H, D], k/v [T, Hkv, D] for this step's tokens -> [T, H, D]; writes k/v into kv_cache first."""
+        ...
+
+    def attend_mla(
+        self,
+        q_latent: torch.Tensor,
+        q_rope: torch.Tensor,
+        ckv: torch.Tensor,
+        kpe: torch.Tensor,
+        ckv_cache: torch.Tensor,
+        kpe_cache: torch.Tensor,
+        scale: float,
+    ) -> torch.Tensor:
+        """q_latent [T, H, R], q_rope [T, H, Dr], ckv [T, R], kpe [T, Dr] -> latent output [T, H, R]."""
+        ...
+
+
+class TorchAttention:
+    """Paged attention in plain PyTorch: gather each sequence's pages into a padded batch, then SDPA.
+
+    Everything that depends only on the page tables (gather indices, padding, masks) is built in `plan`,
+    once per step, so each layer costs one scatter, one gather and one SDPA call.
+    """
+
+    def plan(self, meta: PageMetadata) -> None:
+        device = meta.positions.device
+        page_size = meta.page_size
+        batch, max_q, max_kv = meta.batch_size, meta.max_q_len, meta.max_kv_len
+        q_lens = (meta.qo_indptr[1:] - meta.qo_indptr[:-1]).long()
+        kv_lens = meta.kv_lens.long()
+
+        # Where this step's tokens are written.
+        self.write_page = meta.slot_mapping // page_size
+        self.write_offset = meta.slot_mapping % page_size
+
+        # Where each sequence's keys are read: [B, max_kv] page and in-page offset (padding clamped).
+        kv_pos = torch.arange(max_kv, device=device)
+        page_slot = meta.kv_indptr.long()[:-1, None] + kv_pos[None, :] // page_size
+        page_slot = page_slot.clamp_(max=max(meta.kv_indices.shape[0] - 1, 0))
+        self.read_page = meta.kv_indices.long()[page_slot]
+        self.read_offset = (kv_pos % page_size).expand(batch, max_kv)
+
+        # Packed queries -> padded [B, max_q]: decode-only batches (max_q == 1) need no padding at all.
+        self.decode_only = max_q == 1
+        if not self.decode_only:
+            q_idx = meta.qo_indptr.long()[:-1, None] + torch.arange(max_q, device=device)[None, :]
+            self.q_valid = torch.arange(max_q, device=device)[None, :] < q_lens[:, None]  # [B, max_q]
+            self.q_gather = q_idx.clamp_(max=meta.num_tokens - 1)
+
+        # Causal mask: query j of sequence b sits at position kv_len - q_len + j and sees keys up to it.
+        if self.decode_only and bool((kv_lens == max_kv).all()):
+            self.mask = None
+        else:
+            q_pos = (kv_lens - q_lens)[:, None] + torch.arange(max_q, device=device)[None, :]  # [B, max_q]
+            self.mask = (kv_pos[None, None, :] <= q_pos[:, :, None])[:, None]  # [B, 1, max_q, max_kv]
+
+    def _pad_queries(self, q: torch.Tensor) -> torch.Tensor:
+        """[T, H, D] packed -> [B, H, max_q, D]."""
+        if self.decode_only:
+            return q[:, :, None, :]
+        return q[self.q_gather].transpose(1, 2)
+
+    def _unpad(self, out: torch.Tensor) -> torch.Tensor:
+        """[B, H, max_q, D] -> [T, H, D]."""
+        if self.decode_only:
+            return out[:, :, 0, :]
+        return out.transpose(1, 2)[self.q_valid]
+
+    def attend(
+        self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, kv_cache: torch.Tensor, scale: float
+    ) -> torch.Tensor:
+        kv_cache[self.write_page, :, self.write_offset] = torch.stack((k, v), dim=1).to(kv_cache.dtype)
+        kv = kv_cache[self.read_page, :, self.read_offset]  # [B, max_kv, 2, Hkv, D]
+        keys = kv[:, :, 0].transpose(1, 2).to(q.dtype)
+        values = kv[:, :, 1].transpose(1, 2).to(q.dtype)
+        out = F.scaled_dot_product_attention(
+            self._pad_queries(q), keys, values, attn_mask=self.mask, scale=scale, enable_gqa=True
+        )
+        return self._unpad(out)
+
+    def attend_mla(
+        self,
+        q_latent: torch.Tensor,
+        q_rope: torch.Tensor,
+        ckv: torch.Tensor,
+        kpe: torch.Tensor,
+        ckv_cache: torch.Tensor,
+        kpe_cache: torch.Tensor,
+        scale: float,
+    ) -> torch.Tensor:
+        ckv_cache[self.write_page, self.write_offset] = ckv.to(ckv_cache.dtype)
+        kpe_cache[self.write_page, self.write_offset] = kpe.to(kpe_cache.dtype)
+        latent = ckv_cache[self.read_page, self.read_offset].to(q_latent.dtype)  # [B, max_kv, R]
+        rope_key = kpe_cache[self.read_page, self.read_offset].to(q_latent.dtype)  # [B, max_kv, Dr]
+        keys = torch.cat((latent, rope_key), dim=-1)[:, None]  # one head shared by all query heads
+        query = self._pad_queries(torch.cat((q_latent, q_rope), dim=-1))
+        out = F.scaled_dot_product_attention(
+            query, keys, latent[:, None], attn_mask=self.mask, scale=scale, enable_gqa=True
+        )
+        return self._unpad(out)
+
+
+class FlashInferAttention:
+    """FlashInfer's paged prefill/append kernels (which also serve decode) and its MLA kernel.
+
+    One instance per model: the plan depends on the model's head layout, given at construction.
+    """
+
+    def __init__(self, num_heads: int, num_kv_heads: int, head_dim: int, dtype: torch.dtype, device: torch.device,
+                 mla_dims: tuple[int, int] | None = None, workspace_bytes: int = 128 * 1024 * 1024) -> None:
+        import flashinfer  # noqa: PLC0415 - optional GPU dependency, imported only when this backend is chosen
+
+        self._flashinfer = flashinfer
+        self.num_heads, self.num_kv_heads, self.head_dim = num_heads, num_kv_heads, head_dim
+        self.dtype = dtype
+        self.mla_dims = mla_dims  # (kv_lora_rank, qk_rope_head_dim) for MLA models
+        workspace = torch.empty(workspace_bytes, dtype=torch.uint8, device=device)
+        if mla_dims is None:
+            self.wrapper = flashinfer.BatchPrefillWithPagedKVCacheWrapper(workspace, "NHD")
+        else:
+            self.wrapper = flashinfer.mla.BatchMLAPagedAttentionWrapper(workspace)
+        self._planned_scale: float | None = None
+        self._meta: PageMetadata | None = None
+
+    def plan(self, meta: PageMetadata) -> None:
+        # FlashInfer bakes sm_scale into the plan; the first layer's call completes it (all layers share it).
+        self._meta = meta
+        self._planned_scale = None
+        self.write_page = meta.slot_mapping // meta.page_size
+        self.write_offset = meta.slot_mapping % meta.page_size
+
+    def _ensure_planned(self, scale: float) -> None:
+        if self._planned_scale == scale:
+            return
+        meta = self._meta
+        assert meta is not None, "plan() must be called before attention"
+        if self.mla_dims is None:
+            self.wrapper.plan(
+                meta.qo_indptr, meta.kv_indptr, meta.kv_indices, meta.kv_last_page_len,
+                self.num_heads, self.num_kv_heads, self.head_dim, meta.page_size,
+                causal=True, sm_scale=scale, q_data_type=self.dtype, kv_data_type=self.dtype,
+            )
+        else:
+            kv_lora_rank, rope_dim = self.mla_dims
+            self.wrapper.plan(
+                meta.qo_indptr, meta.kv_indptr, meta.kv_indices, meta.kv_lens,
+                self.num_heads, kv_lora_rank, rope_dim, meta.page_size,
+                True, scale, self.dtype, self.dtype,
+            )
+        self._planned_scale = scale
+
+    def attend(
+        self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, kv_cache: torch.Tensor, scale: float
+    ) -> torch.Tensor:
+        self._ensure_planned(scale)
+        kv_cache[self.write_page, :, self.write_offset] = torch.stack((k, v), dim=1).to(kv_cache.dtype)
+        return self.wrapper.run(q.contiguous(), kv_cache)
+
+    def attend_mla(
+        self,
+        q_latent: torch.Tensor,
+        q_rope: torch.Tensor,
+        ckv: torch.Tensor,
+        kpe: torch.Tensor,
+        ckv_cache: torch.Tensor,
+        kpe_cache: torch.Tensor,
+        scale: float,
+    ) -> torch.Tensor:
+        self._ensure_planned(scale)
+        ckv_cache[self.write_page, self.write_offset] = ckv.to(ckv_cache.dtype)
+        kpe_cache[self.write_page, self.write_offset] = kpe.to(kpe_cache.dtype)
+        return self.wrapper.run(q_latent.contiguous(), q_rope.contiguous(), ckv_cache, kpe_cache)
+
+
+def flashinfer_available() -> bool:
+    return torch.cuda.is_available() and importlib.util.find_spec("flashinfer") is not None
+
+
+def resolve_backend_name(name: str, device: torch.device) -> str:
+    """'auto' picks FlashInfer on CUDA when it is installed, torch otherwise."""
+    if name == "auto":
+        return "flashinfer" if device.type == "cuda" and flashinfer_available() else "torch"
+    if name == "flashinfer" and not flashinfer_available():
+        raise ValueError("attention backend 'flashinfer' needs CUDA and `pip install .[gpu]` (flashinfer-python)")
+    if name not in ("torch", "flashinfer"):
+        raise ValueError(f"unknown attention backend {name!r}: choose auto, torch or flashinfer")
+    return name

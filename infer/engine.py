@@ -1,0 +1,291 @@
+"""The serving loop: a request queue, continuous batching over the paged KV cache, sampling and stopping.
+
+Every step the scheduler packs one batch under a token budget and a page budget: running requests first
+(decode is one token; a long prompt is prefilled in chunks), then waiting requests while budget and pages
+last. When pages run out, the most recently admitted request is preempted: its pages are freed and it is
+requeued to be recomputed later, so the engine never crashes for lack of memory.
+"""
+
+from __future__ import annotations
+
+import time
+from collections import deque
+from collections.abc import Iterable, Sequence
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import torch
+from transformers import AutoTokenizer, GenerationConfig, PreTrainedTokenizerBase
+
+from infer.kv_cache import OutOfPages, PagePool, PageTable, build_page_metadata, pages_needed
+from infer.loader import load_model
+from infer.model_runner import ModelRunner
+from infer.sampler import SamplingTensors, make_generator, sample
+from infer.sampling_params import SamplingParams
+
+
+@dataclass
+class Request:
+    request_id: int
+    prompt_ids: list[int]
+    params: SamplingParams
+    stop_ids: frozenset[int]
+    generator: torch.Generator
+    page_table: PageTable
+    prompt: str | None = None
+    output_ids: list[int] = field(default_factory=list)
+    num_computed: int = 0  # tokens whose KV is in the cache
+    finish_reason: str | None = None  # "stop" (EOS id or stop string) or "length"
+    text: str = ""
+    num_preemptions: int = 0
+    arrival_time: float = field(default_factory=time.perf_counter)
+    finish_time: float | None = None
+
+    @property
+    def num_tokens(self) -> int:
+        return len(self.prompt_ids) + len(self.output_ids)
+
+    def token_slice(self, start: int, end: int) -> list[int]:
+        n = len(self.prompt_ids)
+        if end <= n:
+            return self.prompt_ids[start:end]
+        return (self.prompt_ids + self.output_ids)[start:end]
+
+    @property
+    def finished(self) -> bool:
+        return self.finish_reason is not None
+
+    @property
+    def elapsed_s(self) -> float:
+        return (self.finish_time or time.perf_counter()) - self.arrival_time
+
+
+@dataclass
+class EngineConfig:
+    page_size: int = 16
+    num_pages: int | None = None  # None: enough for max_num_seqs full-context sequences, within kv_cache_bytes
+    kv_cache_bytes: int = 4 << 30
+    max_num_seqs: int = 64
+    max_num_batched_tokens: int = 2048
+    backend: str = "auto"
+
+
+class Engine:
+    def __init__(
+        self,
+        model: torch.nn.Module,
+        tokenizer: PreTrainedTokenizerBase | None = None,
+        eos_token_ids: Iterable[int] = (),
+        config: EngineConfig | None = None,
+    ) -> None:
+        self.config = config or EngineConfig()
+        self.model = model
+        self.tokenizer = tokenizer
+        self.eos_token_ids = frozenset(eos_token_ids)
+        self.max_model_len = model.config.max_position_embeddings
+        param = next(model.parameters())
+        self.device = param.device
+        cfg = self.config
+        if cfg.max_num_batched_tokens < 1 or cfg.max_num_seqs < 1:
+            raise ValueError("max_num_batched_tokens and max_num_seqs must be >= 1")
+        num_pages = cfg.num_pages or self._default_num_pages(param.dtype)
+        self.pool = PagePool(num_pages, cfg.page_size)
+        self.runner = ModelRunner(model, num_pages, cfg.page_size, cfg.backend)
+        self.waiting: deque[Request] = deque()
+        self.running: list[Request] = []
+        self._next_id = 0
+        self.num_steps = 0
+
+    @classmethod
+    def from_pretrained(
+        cls, path: str | Path, dtype: torch.dtype = torch.float32, device: str = "cpu", **config_kwargs
+    ) -> "Engine":
+        path = Path(path)
+        model = load_model(path, dtype=dtype, device=device)
+        tokenizer = AutoTokenizer.from_pretrained(path) if _has_tokenizer(path) else None
+        return cls(model, tokenizer, default_eos_ids(path, model.config), EngineConfig(**config_kwargs))
+
+    def _default_num_pages(self, dtype: torch.dtype) -> int:
+        per_page = self.model.kv_bytes_per_token(dtype) * self.config.page_size
+        wanted = self.config.max_num_seqs * pages_needed(self.max_model_len, self.config.page_size)
+        return max(1, min(wanted, self.config.kv_cache_bytes // per_page))
+
+    # --- requests ---------------------------------------------------------------------------------
+    def add_request(self, prompt: str | Sequence[int], params: SamplingParams | None = None) -> Request:
+        """Queue a prompt (text, or token ids); raises ValueError naming what is wrong with it."""
+        params = params or SamplingParams()
+        params.validate(self.model.config.vocab_size)
+        if isinstance(prompt, str):
+            if self.tokenizer is None:
+                raise ValueError("this model folder has no tokenizer: pass token ids instead of text")
+            prompt_text, prompt_ids = prompt, self.tokenizer.encode(prompt)
+        else:
+            prompt_text, prompt_ids = None, [int(t) for t in prompt]
+        if not prompt_ids:
+            raise ValueError("the prompt is empty")
+        vocab = self.model.config.vocab_size
+        if any(t < 0 or t >= vocab for t in prompt_ids):
+            raise ValueError(f"prompt token ids must lie in [0, {vocab})")
+        if len(prompt_ids) >= self.max_model_len:
+            raise ValueError(
+                f"prompt has {len(prompt_ids)} tokens; the model's context is {self.max_model_len} "
+                "(max_position_embeddings), which leaves no room to generate"
+            )
+        if pages_needed(len(prompt_ids) + 1, self.config.page_size) > self.pool.num_pages:
+            raise ValueError(f"prompt of {len(prompt_ids)} tokens cannot fit in the KV cache ({self.pool.num_pages} pages)")
+        stop_ids = frozenset() if params.ignore_eos else frozenset(
+            params.stop_token_ids if params.stop_token_ids is not None else self.eos_token_ids
+        )
+        request = Request(
+            request_id=self._next_id,
+            prompt_ids=prompt_ids,
+            params=params,
+            stop_ids=stop_ids,
+            generator=make_generator(params.seed, self.device),
+            page_table=PageTable(self.pool),
+            prompt=prompt_text,
+        )
+        self._next_id += 1
+        self.waiting.append(request)
+        return request
+
+    def has_unfinished(self) -> bool:
+        return bool(self.waiting or self.running)
+
+    # --- scheduling -------------------------------------------------------------------------------
+    def _preempt_newest(self) -> Request:
+        victim = self.running.pop()
+        victim.page_table.free()
+        victim.num_computed = 0
+        victim.num_preemptions += 1
+        self.waiting.appendleft(victim)
+        return victim
+
+    def _schedule(self) -> list[tuple[Request, int]]:
+        """Pick (request, number of new tokens) pairs for this step under the token and page budgets."""
+        budget = self.config.max_num_batched_tokens
+        scheduled: list[tuple[Request, int]] = []
+        i = 0
+        while i < len(self.running) and budget > 0:
+            request = self.running[i]
+            q_len = min(request.num_tokens - request.num_computed, budget)
+            try:
+                request.page_table.extend(request.num_computed + q_len)
+            except OutOfPages:
+                if self._preempt_newest() is request:
+                    break
+                continue  # a page was freed: retry the same request
+            scheduled.append((request, q_len))
+            budget -= q_len
+            i += 1
+        while self.waiting and budget > 0 and len(self.running) < self.config.max_num_seqs:
+            request = self.waiting[0]
+            q_len = min(request.num_tokens - request.num_computed, budget)
+            # Admit only when the pool can also hold the next decode token: no immediate preemption.
+            if request.page_table.pages_to_grow(request.num_computed + q_len + 1) > self.pool.num_free:
+                break
+            request.page_table.extend(request.num_computed + q_len)
+            self.waiting.popleft()
+            self.running.append(request)
+            scheduled.append((request, q_len))
+            budget -= q_len
+        return scheduled
+
+    # --- one step ---------------------------------------------------------------------------------
+    def step(self) -> list[Request]:
+        """Run one batch; returns the requests that finished in it."""
+        scheduled = self._schedule()
+        if not scheduled:
+            if self.waiting:
+                raise RuntimeError("no request fits in the KV cache; raise num_pages or lower max_num_seqs")
+            return []
+        input_ids: list[int] = []
+        q_lens, kv_lens, page_lists, sampling = [], [], [], []
+        for request, q_len in scheduled:
+            input_ids.extend(request.token_slice(request.num_computed, request.num_computed + q_len))
+            q_lens.append(q_len)
+            kv_lens.append(request.num_computed + q_len)
+            page_lists.append(request.page_table.pages)
+            request.num_computed += q_len
+            if request.num_computed == request.num_tokens:
+                sampling.append((request, len(input_ids) - 1))
+        meta = build_page_metadata(page_lists, q_lens, kv_lens, self.config.page_size, self.device)
+        ids = torch.tensor(input_ids, dtype=torch.long, device=self.device)
+        logits_indices = torch.tensor([row for _, row in sampling], dtype=torch.long, device=self.device)
+        out = self.runner.run(ids, meta, logits_indices)
+        self.num_steps += 1
+        if not sampling:
+            return []
+        requests = [r for r, _ in sampling]
+        tensors = SamplingTensors.from_params([r.params for r in requests], self.device)
+        new_tokens = sample(out.logits, tensors, [r.generator for r in requests]).tolist()
+        finished = []
+        for request, token in zip(requests, new_tokens):
+            if self._append_token(request, token):
+                finished.append(request)
+        if finished:
+            self.running = [r for r in self.running if not r.finished]
+        return finished
+
+    def _append_token(self, request: Request, token: int) -> bool:
+        """Record a sampled token and decide whether the request stops; frees its pages when it does."""
+        request.output_ids.append(token)
+        params = request.params
+        if token in request.stop_ids:
+            request.finish_reason = "stop"
+        elif params.stop and self._hit_stop_string(request):
+            request.finish_reason = "stop"
+        elif len(request.output_ids) >= params.max_new_tokens or request.num_tokens >= self.max_model_len:
+            request.finish_reason = "length"
+        if request.finish_reason is None:
+            return False
+        request.finish_time = time.perf_counter()
+        request.page_table.free()
+        if self.tokenizer is not None and not request.text:
+            request.text = self.tokenizer.decode(request.output_ids, skip_special_tokens=True)
+        return True
+
+    def _hit_stop_string(self, request: Request) -> bool:
+        text = self.tokenizer.decode(request.output_ids, skip_special_tokens=True) if self.tokenizer else ""
+        hits = [i for i in (text.find(s) for s in request.params.stop) if i >= 0]
+        if hits:
+            request.text = text[: min(hits)]
+        return bool(hits)
+
+    # --- convenience ------------------------------------------------------------------------------
+    def generate(
+        self, prompts: Sequence[str | Sequence[int]], params: SamplingParams | Sequence[SamplingParams] | None = None,
+        progress: bool = False,
+    ) -> list[Request]:
+        """Run prompts to completion; returns their requests in prompt order."""
+        if params is None or isinstance(params, SamplingParams):
+            params = [params or SamplingParams()] * len(prompts)
+        requests = [self.add_request(p, sp) for p, sp in zip(prompts, params)]
+        bar = None
+        if progress:
+            from tqdm import tqdm  # noqa: PLC0415 - only the CLI wants a bar
+
+            bar = tqdm(total=len(requests), desc="generate", unit="req", dynamic_ncols=True)
+        while self.has_unfinished():
+            done = self.step()
+            if bar is not None and done:
+                bar.update(len(done))
+        if bar is not None:
+            bar.close()
+        return requests
+
+
+def _has_tokenizer(path: Path) -> bool:
+    return any((path / name).is_file() for name in ("tokenizer.json", "tokenizer.model", "tokenizer_config.json"))
+
+
+def default_eos_ids(path: Path, model_config) -> list[int]:
+    """Stop ids from generation_config.json (as Hugging Face does), else from config.json."""
+    eos = None
+    if (path / "generation_config.json").is_file():
+        eos = GenerationConfig.from_pretrained(path).eos_token_id
+    if eos is None:
+        eos = getattr(model_config, "eos_token_id", None)
+    if eos is None:
+        return []
+    return [eos] if isinstance(eos, int) else list(eos)

@@ -1,0 +1,106 @@
+"""Generate text with the runtime.
+
+    python -m infer.generate --model DIR --prompt "Once upon a time" --max-new-tokens 64
+    python -m infer.generate --model DIR --prompt-file prompts.jsonl --temperature 1 --seed 0 --json
+
+--prompt-file takes JSONL records with a "prompt", "text" or "turns" field (MT-bench and Spec-Bench
+question files work as they are: the first turn is used).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+from pathlib import Path
+
+import torch
+
+from infer.cli import DTYPES, CliError, add_engine_args, engine_kwargs, run_cli
+from infer.engine import Engine
+from infer.sampling_params import SamplingParams
+
+
+def read_prompt_file(path: Path) -> list[str]:
+    if not path.is_file():
+        raise CliError(f"--prompt-file {path} does not exist")
+    prompts = []
+    for line_no, line in enumerate(path.read_text().splitlines(), 1):
+        if not line.strip():
+            continue
+        try:
+            record = json.loads(line)
+        except json.JSONDecodeError as err:
+            raise CliError(f"{path}:{line_no}: not valid JSON ({err.msg})") from err
+        text = record if isinstance(record, str) else prompt_of(record)
+        if not isinstance(text, str):
+            raise CliError(f"{path}:{line_no}: expected a string field 'prompt', 'text' or 'turns'")
+        prompts.append(text)
+    if not prompts:
+        raise CliError(f"--prompt-file {path} holds no prompts")
+    return prompts
+
+
+def prompt_of(record: object) -> str | None:
+    if not isinstance(record, dict):
+        return None
+    for key in ("prompt", "text"):
+        if isinstance(record.get(key), str):
+            return record[key]
+    turns = record.get("turns")
+    return turns[0] if isinstance(turns, list) and turns else None
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="python -m infer.generate", description=__doc__,
+                                     formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--model", required=True, type=Path, help="Hugging Face model folder (config.json + safetensors)")
+    parser.add_argument("--prompt", action="append", default=[], help="prompt text; repeat for several")
+    parser.add_argument("--prompt-file", type=Path, help="JSONL file of prompts")
+    parser.add_argument("--max-new-tokens", type=int, default=128, help="tokens to generate per prompt (default 128)")
+    parser.add_argument("--temperature", type=float, default=0.0, help="0 = greedy (default)")
+    parser.add_argument("--top-p", type=float, default=1.0, help="nucleus sampling mass (default 1 = off)")
+    parser.add_argument("--top-k", type=int, default=0, help="keep the k most likely tokens (default 0 = off)")
+    parser.add_argument("--seed", type=int, default=None, help="per-request seed: same seed, same tokens")
+    parser.add_argument("--stop", action="append", default=[], help="stop string; repeat for several")
+    parser.add_argument("--batch-size", type=int, default=64, help="most requests decoded together (default 64)")
+    parser.add_argument("--json", action="store_true", help="one JSON object per prompt on stdout")
+    add_engine_args(parser)
+    return parser
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    prompts = list(args.prompt) + (read_prompt_file(args.prompt_file) if args.prompt_file else [])
+    if not prompts:
+        raise CliError("give at least one --prompt or a --prompt-file")
+    params = SamplingParams(
+        temperature=args.temperature, top_k=args.top_k, top_p=args.top_p, max_new_tokens=args.max_new_tokens,
+        seed=args.seed, stop=tuple(args.stop),
+    )
+    engine = Engine.from_pretrained(args.model, dtype=DTYPES[args.dtype], device=args.device,
+                                    **engine_kwargs(args, max_num_seqs=args.batch_size))
+    params.validate(engine.model.config.vocab_size)
+    for i, prompt in enumerate(prompts):
+        try:
+            engine.add_request(prompt, params)
+        except ValueError as err:
+            raise CliError(f"prompt {i + 1}: {err}") from err
+    with torch.inference_mode():
+        requests = list(engine.waiting)
+        while engine.has_unfinished():
+            engine.step()
+    for request in requests:
+        if args.json:
+            print(json.dumps({
+                "prompt": request.prompt, "text": request.text, "token_ids": request.output_ids,
+                "num_new_tokens": len(request.output_ids), "finish_reason": request.finish_reason,
+                "elapsed_s": round(request.elapsed_s, 4),
+            }))
+        else:
+            print(f"{request.prompt}{request.text}\n", file=sys.stdout)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(run_cli(main))

@@ -1,0 +1,171 @@
+"""The paged KV cache: a pool of fixed-size pages shared by every sequence (and by target and drafter).
+
+Pages are handed out by `PagePool`, reference counted so that sequences can share a prefix. A sequence's
+pages are listed in its `PageTable`; `build_page_metadata` turns a batch of page tables into FlashInfer's
+layout (qo_indptr, kv_indptr, kv_indices, kv_last_page_len), which every attention backend consumes.
+The KV tensors themselves belong to the models (`model.allocate_kv_cache`), all indexed by the same pages.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import torch
+
+
+class OutOfPages(RuntimeError):
+    """The pool cannot satisfy an allocation; the scheduler preempts instead of crashing."""
+
+
+class PagePool:
+    """Allocator over `num_pages` page ids with reference counts (a page is free at count 0)."""
+
+    def __init__(self, num_pages: int, page_size: int) -> None:
+        if num_pages < 1 or page_size < 1:
+            raise ValueError(f"num_pages and page_size must be >= 1, got {num_pages} and {page_size}")
+        self.num_pages = num_pages
+        self.page_size = page_size
+        self._free: list[int] = list(range(num_pages - 1, -1, -1))  # pop() hands out low ids first
+        self._refcount = [0] * num_pages
+
+    @property
+    def num_free(self) -> int:
+        return len(self._free)
+
+    def allocate(self, n: int) -> list[int]:
+        if n > len(self._free):
+            raise OutOfPages(f"need {n} pages, {len(self._free)} free of {self.num_pages}")
+        pages = [self._free.pop() for _ in range(n)]
+        for p in pages:
+            self._refcount[p] = 1
+        return pages
+
+    def share(self, pages: list[int]) -> None:
+        """Add a reference to pages already held (a shared prefix)."""
+        for p in pages:
+            if self._refcount[p] == 0:
+                raise ValueError(f"page {p} is free and cannot be shared")
+            self._refcount[p] += 1
+
+    def release(self, pages: list[int]) -> None:
+        for p in pages:
+            if self._refcount[p] <= 0:
+                raise ValueError(f"page {p} released more times than it was allocated")
+            self._refcount[p] -= 1
+            if self._refcount[p] == 0:
+                self._free.append(p)
+
+
+def pages_needed(num_tokens: int, page_size: int) -> int:
+    return -(-num_tokens // page_size)
+
+
+@dataclass
+class PageTable:
+    """The pages holding one sequence's KV, in order, and how many token slots are in use."""
+
+    pool: PagePool
+    pages: list[int] = field(default_factory=list)
+    num_tokens: int = 0
+
+    def pages_to_grow(self, num_tokens: int) -> int:
+        """Pages that `extend` to `num_tokens` would allocate."""
+        return max(0, pages_needed(num_tokens, self.pool.page_size) - len(self.pages))
+
+    def extend(self, num_tokens: int) -> None:
+        """Make room for `num_tokens` tokens in all (allocating pages); raises OutOfPages, changing nothing."""
+        grow = self.pages_to_grow(num_tokens)
+        if grow:
+            self.pages.extend(self.pool.allocate(grow))
+        self.num_tokens = max(self.num_tokens, num_tokens)
+
+    def truncate(self, num_tokens: int) -> None:
+        """Keep the first `num_tokens` tokens (rollback of rejected draft tokens); frees pages past them."""
+        keep = pages_needed(num_tokens, self.pool.page_size)
+        if keep < len(self.pages):
+            self.pool.release(self.pages[keep:])
+            del self.pages[keep:]
+        self.num_tokens = min(self.num_tokens, num_tokens)
+
+    def free(self) -> None:
+        self.pool.release(self.pages)
+        self.pages = []
+        self.num_tokens = 0
+
+
+@dataclass
+class PageMetadata:
+    """One step's page tables in FlashInfer's layout plus where each new token's KV is written.
+
+    For B sequences with q_len[b] new tokens each (appended after kv_len[b] - q_len[b] cached ones):
+      qo_indptr        [B+1] int32  offsets of each sequence's new tokens in the packed batch
+      kv_indptr        [B+1] int32  offsets of each sequence's pages in kv_indices
+      kv_indices       [sum pages] int32
+      kv_last_page_len [B]   int32  tokens used in each sequence's last page (1..page_size)
+      kv_lens          [B]   int32  KV length after this step's tokens are appended
+      positions        [T]   int64  position of every new token
+      slot_mapping     [T]   int64  page * page_size + offset where every new token's KV goes
+    """
+
+    qo_indptr: torch.Tensor
+    kv_indptr: torch.Tensor
+    kv_indices: torch.Tensor
+    kv_last_page_len: torch.Tensor
+    kv_lens: torch.Tensor
+    positions: torch.Tensor
+    slot_mapping: torch.Tensor
+    page_size: int
+    max_q_len: int
+    max_kv_len: int
+
+    @property
+    def batch_size(self) -> int:
+        return self.kv_lens.shape[0]
+
+    @property
+    def num_tokens(self) -> int:
+        return self.positions.shape[0]
+
+
+def build_page_metadata(
+    page_lists: list[list[int]], q_lens: list[int], kv_lens: list[int], page_size: int, device: torch.device
+) -> PageMetadata:
+    """Batch the page tables of one step; Python touches each sequence once, never each token."""
+    qo_indptr = [0]
+    kv_indptr = [0]
+    kv_indices: list[int] = []
+    for pages, kv_len in zip(page_lists, kv_lens):
+        used = pages_needed(kv_len, page_size)
+        kv_indices.extend(pages[:used])
+        kv_indptr.append(kv_indptr[-1] + used)
+    for q_len in q_lens:
+        qo_indptr.append(qo_indptr[-1] + q_len)
+
+    q_lens_t = torch.tensor(q_lens, dtype=torch.int64)
+    kv_lens_t = torch.tensor(kv_lens, dtype=torch.int64)
+    qo_indptr_t = torch.tensor(qo_indptr, dtype=torch.int64)
+    kv_indptr_t = torch.tensor(kv_indptr, dtype=torch.int64)
+    kv_indices_t = torch.tensor(kv_indices, dtype=torch.int64)
+    num_tokens = qo_indptr[-1]
+
+    # Position of each new token: its sequence's cached length plus its index within the sequence's chunk.
+    seq_of_token = torch.repeat_interleave(torch.arange(len(q_lens)), q_lens_t, output_size=num_tokens)
+    offset_in_chunk = torch.arange(num_tokens) - qo_indptr_t[seq_of_token]
+    positions = (kv_lens_t - q_lens_t)[seq_of_token] + offset_in_chunk
+    page_of_token = kv_indices_t[kv_indptr_t[seq_of_token] + positions // page_size]
+    slot_mapping = page_of_token * page_size + positions % page_size
+
+    last_page_len = (kv_lens_t - 1) % page_size + 1
+    i32 = dict(dtype=torch.int32, device=device)
+    return PageMetadata(
+        qo_indptr=qo_indptr_t.to(**i32),
+        kv_indptr=kv_indptr_t.to(**i32),
+        kv_indices=kv_indices_t.to(**i32),
+        kv_last_page_len=last_page_len.to(**i32),
+        kv_lens=kv_lens_t.to(**i32),
+        positions=positions.to(device),
+        slot_mapping=slot_mapping.to(device),
+        page_size=page_size,
+        max_q_len=max(q_lens),
+        max_kv_len=max(kv_lens),
+    )

@@ -1,0 +1,108 @@
+"""Load a model from a Hugging Face folder: config.json plus safetensors (one file or a sharded index).
+
+Weights are read only from safetensors, never unpickled. Each architecture's module names equal the
+checkpoint keys; an architecture may declare `checkpoint_renames` for keys stored in another layout.
+"""
+
+from __future__ import annotations
+
+import importlib
+import json
+from pathlib import Path
+
+import torch
+from safetensors import safe_open
+from transformers import AutoConfig, PretrainedConfig
+
+# model_type in config.json -> the class in infer/models that implements it (one file per architecture).
+MODEL_CLASSES = {
+    "llama": "infer.models.llama:LlamaForCausalLM",
+    "deepseek_v2": "infer.models.deepseek_v2:DeepseekV2ForCausalLM",
+}
+# Keys some exporters leave in checkpoints that carry no weights of ours.
+IGNORED_KEY_SUFFIXES = ("rotary_emb.inv_freq",)
+
+
+class ModelLoadError(ValueError):
+    """A user-facing problem with a model folder; the message names the file or field."""
+
+
+def load_config(path: str | Path) -> PretrainedConfig:
+    path = Path(path)
+    if not path.is_dir():
+        raise ModelLoadError(f"model folder {path} does not exist or is not a directory")
+    if not (path / "config.json").is_file():
+        raise ModelLoadError(f"{path / 'config.json'} is missing: expected a Hugging Face model folder")
+    try:
+        config = AutoConfig.from_pretrained(path)
+    except (ValueError, OSError, json.JSONDecodeError, KeyError) as err:
+        raise ModelLoadError(f"cannot read {path / 'config.json'}: {err}") from err
+    if config.model_type not in MODEL_CLASSES:
+        supported = ", ".join(sorted(MODEL_CLASSES))
+        raise ModelLoadError(
+            f"unsupported architecture {config.model_type!r} in {path / 'config.json'} (supported: {supported})"
+        )
+    return config
+
+
+def safetensors_files(path: Path) -> list[Path]:
+    """The checkpoint's shard files: from model.safetensors.index.json, else every *.safetensors."""
+    index = path / "model.safetensors.index.json"
+    if index.is_file():
+        try:
+            weight_map = json.loads(index.read_text())["weight_map"]
+        except (json.JSONDecodeError, KeyError) as err:
+            raise ModelLoadError(f"{index} is not a valid safetensors index: {err}") from err
+        files = [path / name for name in sorted(set(weight_map.values()))]
+        missing = [f.name for f in files if not f.is_file()]
+        if missing:
+            raise ModelLoadError(f"{index} lists shards that are missing: {', '.join(missing)}")
+        return files
+    files = sorted(path.glob("*.safetensors"))
+    if not files:
+        pickled = [p.name for p in path.glob("*.bin")] + [p.name for p in path.glob("*.pt")]
+        hint = f" (found {', '.join(pickled)}: pickled weights are never loaded, convert them to safetensors)" if pickled else ""
+        raise ModelLoadError(f"no .safetensors weights in {path}{hint}")
+    return files
+
+
+def load_model(
+    path: str | Path, dtype: torch.dtype = torch.float32, device: str | torch.device = "cpu"
+) -> torch.nn.Module:
+    """Build the model on the meta device, then fill every parameter from the checkpoint."""
+    path = Path(path)
+    config = load_config(path)
+    module_name, class_name = MODEL_CLASSES[config.model_type].split(":")
+    model_cls = getattr(importlib.import_module(module_name), class_name)
+    with torch.device("meta"):
+        model = model_cls(config)
+    params = dict(model.named_parameters(remove_duplicate=False))
+    tied = {"lm_head.weight"} if getattr(config, "tie_word_embeddings", False) else set()
+    state: dict[str, torch.Tensor] = {}
+    renames = getattr(model_cls, "checkpoint_renames", None)
+    for file in safetensors_files(path):
+        try:
+            with safe_open(str(file), framework="pt", device="cpu") as f:
+                for key in f.keys():
+                    if key.endswith(IGNORED_KEY_SUFFIXES) or key in tied:
+                        continue
+                    items = renames(key, f.get_tensor(key), config) if renames else [(key, f.get_tensor(key))]
+                    for name, tensor in items:
+                        if name not in params:
+                            raise ModelLoadError(f"{file}: tensor {name!r} is not a parameter of {model_cls.__name__}")
+                        if tuple(tensor.shape) != tuple(params[name].shape):
+                            raise ModelLoadError(
+                                f"{file}: tensor {name!r} has shape {tuple(tensor.shape)}, "
+                                f"config.json implies {tuple(params[name].shape)}"
+                            )
+                        state[name] = tensor.to(dtype)
+        except (OSError, RuntimeError) as err:  # safetensors' errors for truncated or non-safetensors files
+            raise ModelLoadError(f"cannot read {file}: {err}") from err
+    missing = sorted(set(params) - set(state) - tied)
+    if missing:
+        shown = ", ".join(missing[:5]) + (f" and {len(missing) - 5} more" if len(missing) > 5 else "")
+        raise ModelLoadError(f"{path}: checkpoint lacks {shown}")
+    model.load_state_dict(state, strict=False, assign=True)
+    if tied:
+        model.lm_head.weight = model.model.embed_tokens.weight
+    return model.to(device).eval().requires_grad_(False)

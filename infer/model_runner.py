@@ -1,0 +1,43 @@
+"""One model, its KV-cache tensors and its attention backend: runs a packed step against shared page tables.
+
+The engine owns the page pool and the page tables; a target and a drafter each get a runner whose KV
+tensors are indexed by the same page ids, so one allocator serves both.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+import torch
+
+from infer.attention import FlashInferAttention, TorchAttention, resolve_backend_name
+from infer.kv_cache import PageMetadata
+from infer.models.common import ModelOutput
+
+
+class ModelRunner:
+    def __init__(
+        self, model: torch.nn.Module, num_pages: int, page_size: int, backend: str = "auto",
+        kv_dtype: torch.dtype | None = None,
+    ) -> None:
+        self.model = model
+        param = next(model.parameters())
+        self.device, self.dtype = param.device, param.dtype
+        self.kv_dtype = kv_dtype or self.dtype
+        self.kv_caches = model.allocate_kv_cache(num_pages, page_size, self.kv_dtype, self.device)
+        self.backend_name = resolve_backend_name(backend, self.device)
+        if self.backend_name == "flashinfer":
+            self.attn = FlashInferAttention(dtype=self.dtype, device=self.device, **model.attention_dims())
+        else:
+            self.attn = TorchAttention()
+
+    @torch.inference_mode()
+    def run(
+        self,
+        input_ids: torch.Tensor,
+        meta: PageMetadata,
+        logits_indices: torch.Tensor | None = None,
+        aux_layers: Sequence[int] = (),
+    ) -> ModelOutput:
+        self.attn.plan(meta)
+        return self.model(input_ids, meta.positions, self.attn, self.kv_caches, logits_indices, aux_layers)

@@ -1,0 +1,89 @@
+"""Pieces every architecture shares: RMSNorm, rotary embeddings, the forward's output, KV-cache sizing."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import torch
+from torch import nn
+from transformers import PretrainedConfig
+from transformers.modeling_rope_utils import ROPE_INIT_FUNCTIONS
+
+
+@dataclass
+class ModelOutput:
+    """What one packed forward returns.
+
+    logits:            [N, vocab] for the rows picked by `logits_indices` (all T tokens when None), fp32
+    hidden_states:     [T, hidden] the last decoder layer's output, before the final norm (what MTP heads eat)
+    aux_hidden_states: decoder-layer index -> [T, hidden] that layer's output (EAGLE-3-style features)
+    """
+
+    logits: torch.Tensor | None
+    hidden_states: torch.Tensor
+    aux_hidden_states: dict[int, torch.Tensor] = field(default_factory=dict)
+
+
+class RMSNorm(nn.Module):
+    """RMSNorm computed in fp32 and cast back, exactly as the Hugging Face Llama/DeepSeek files do."""
+
+    def __init__(self, hidden_size: int, eps: float = 1e-6) -> None:
+        super().__init__()
+        self.weight = nn.Parameter(torch.ones(hidden_size))
+        self.eps = eps
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        dtype = x.dtype
+        x = x.float()
+        x = x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + self.eps)
+        return self.weight * x.to(dtype)
+
+
+def rope_inv_freq(config: PretrainedConfig, dim: int) -> tuple[torch.Tensor, float]:
+    """Inverse frequencies and the cos/sin scale for any rope_type transformers knows (llama3, yarn, ...).
+
+    Using transformers' own functions keeps scaled-RoPE variants in lockstep with the reference models.
+    """
+    params = getattr(config, "rope_parameters", None) or {}
+    rope_type = params.get("rope_type", "default")
+    if rope_type == "default":
+        theta = params.get("rope_theta", getattr(config, "rope_theta", 10000.0))
+        return 1.0 / (theta ** (torch.arange(0, dim, 2, dtype=torch.float, device="cpu") / dim)), 1.0
+    if rope_type not in ROPE_INIT_FUNCTIONS:
+        raise ValueError(f"unsupported rope_type {rope_type!r} in the model config")
+    inv_freq, scale = ROPE_INIT_FUNCTIONS[rope_type](config, torch.device("cpu"))
+    return inv_freq.float(), float(scale)
+
+
+class RotaryEmbedding(nn.Module):
+    """cos/sin for a step's positions, computed once per forward and shared by all layers.
+
+    The frequencies are always built on the CPU (even when the model is built on the meta device for
+    loading), so they are real numbers that `.to(device)` moves.
+    """
+
+    def __init__(self, config: PretrainedConfig, dim: int) -> None:
+        super().__init__()
+        inv_freq, self.scale = rope_inv_freq(config, dim)
+        self.register_buffer("inv_freq", inv_freq, persistent=False)
+
+    def forward(self, positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """positions [T] -> cos, sin [T, dim // 2] in fp32."""
+        freqs = positions.float()[:, None] * self.inv_freq[None, :]
+        return freqs.cos() * self.scale, freqs.sin() * self.scale
+
+
+def apply_rope_half(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    """Rotate x [T, H, D] in the half-split layout (Llama): pairs are (i, i + D/2)."""
+    half = x.shape[-1] // 2
+    x1, x2 = x[..., :half].float(), x[..., half:].float()
+    cos, sin = cos[:, None, :], sin[:, None, :]
+    return torch.cat((x1 * cos - x2 * sin, x2 * cos + x1 * sin), dim=-1).to(x.dtype)
+
+
+def apply_rope_interleaved(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    """Rotate x [T, H, D] in the interleaved layout (DeepSeek): pairs are (2i, 2i + 1)."""
+    pairs = x.float().unflatten(-1, (-1, 2))
+    x1, x2 = pairs[..., 0], pairs[..., 1]
+    cos, sin = cos[:, None, :], sin[:, None, :]
+    return torch.stack((x1 * cos - x2 * sin, x2 * cos + x1 * sin), dim=-1).flatten(-2).to(x.dtype)

@@ -1,0 +1,131 @@
+"""Llama (1, 2, 3.x, TinyStories): GQA, RoPE (default and llama3 scaling), tied or untied embeddings.
+
+Module names mirror the Hugging Face checkpoint keys, so loading is a plain state-dict copy. The forward
+runs one packed batch of variable-length sequences (no padding) against the paged KV cache.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+from transformers import LlamaConfig
+
+from infer.attention import AttentionBackend
+from infer.models.common import ModelOutput, RMSNorm, RotaryEmbedding, apply_rope_half
+
+
+class LlamaAttention(nn.Module):
+    def __init__(self, config: LlamaConfig) -> None:
+        super().__init__()
+        self.num_heads = config.num_attention_heads
+        self.num_kv_heads = config.num_key_value_heads
+        self.head_dim = getattr(config, "head_dim", None) or config.hidden_size // self.num_heads
+        self.scale = self.head_dim**-0.5
+        bias = config.attention_bias
+        self.q_proj = nn.Linear(config.hidden_size, self.num_heads * self.head_dim, bias=bias)
+        self.k_proj = nn.Linear(config.hidden_size, self.num_kv_heads * self.head_dim, bias=bias)
+        self.v_proj = nn.Linear(config.hidden_size, self.num_kv_heads * self.head_dim, bias=bias)
+        self.o_proj = nn.Linear(self.num_heads * self.head_dim, config.hidden_size, bias=bias)
+
+    def forward(
+        self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, attn: AttentionBackend, kv_cache: torch.Tensor
+    ) -> torch.Tensor:
+        tokens = x.shape[0]
+        q = apply_rope_half(self.q_proj(x).view(tokens, self.num_heads, self.head_dim), cos, sin)
+        k = apply_rope_half(self.k_proj(x).view(tokens, self.num_kv_heads, self.head_dim), cos, sin)
+        v = self.v_proj(x).view(tokens, self.num_kv_heads, self.head_dim)
+        out = attn.attend(q, k, v, kv_cache, self.scale)
+        return self.o_proj(out.reshape(tokens, self.num_heads * self.head_dim))
+
+
+class LlamaMLP(nn.Module):
+    def __init__(self, hidden_size: int, intermediate_size: int, bias: bool = False) -> None:
+        super().__init__()
+        self.gate_proj = nn.Linear(hidden_size, intermediate_size, bias=bias)
+        self.up_proj = nn.Linear(hidden_size, intermediate_size, bias=bias)
+        self.down_proj = nn.Linear(intermediate_size, hidden_size, bias=bias)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.down_proj(F.silu(self.gate_proj(x)) * self.up_proj(x))
+
+
+class LlamaDecoderLayer(nn.Module):
+    def __init__(self, config: LlamaConfig) -> None:
+        super().__init__()
+        self.self_attn = LlamaAttention(config)
+        self.mlp = LlamaMLP(config.hidden_size, config.intermediate_size, getattr(config, "mlp_bias", False))
+        self.input_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
+        self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
+
+    def forward(
+        self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, attn: AttentionBackend, kv_cache: torch.Tensor
+    ) -> torch.Tensor:
+        x = x + self.self_attn(self.input_layernorm(x), cos, sin, attn, kv_cache)
+        return x + self.mlp(self.post_attention_layernorm(x))
+
+
+class LlamaModel(nn.Module):
+    def __init__(self, config: LlamaConfig) -> None:
+        super().__init__()
+        self.embed_tokens = nn.Embedding(config.vocab_size, config.hidden_size)
+        self.layers = nn.ModuleList(LlamaDecoderLayer(config) for _ in range(config.num_hidden_layers))
+        self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps)
+        head_dim = getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
+        self.rotary_emb = RotaryEmbedding(config, head_dim)
+
+
+class LlamaForCausalLM(nn.Module):
+    def __init__(self, config: LlamaConfig) -> None:
+        super().__init__()
+        self.config = config
+        self.model = LlamaModel(config)
+        self.lm_head = nn.Linear(config.hidden_size, config.vocab_size, bias=False)
+        if config.tie_word_embeddings:
+            self.lm_head.weight = self.model.embed_tokens.weight
+
+    def forward(
+        self,
+        input_ids: torch.Tensor,
+        positions: torch.Tensor,
+        attn: AttentionBackend,
+        kv_caches: list[torch.Tensor],
+        logits_indices: torch.Tensor | None = None,
+        aux_layers: Sequence[int] = (),
+    ) -> ModelOutput:
+        """input_ids, positions [T] packed; attn already planned for this step's page tables."""
+        cos, sin = self.model.rotary_emb(positions)
+        x = self.model.embed_tokens(input_ids)
+        aux: dict[int, torch.Tensor] = {}
+        for i, layer in enumerate(self.model.layers):
+            x = layer(x, cos, sin, attn, kv_caches[i])
+            if i in aux_layers:
+                aux[i] = x
+        return ModelOutput(self.compute_logits(x, logits_indices), x, aux)
+
+    def compute_logits(self, hidden_states: torch.Tensor, indices: torch.Tensor | None = None) -> torch.Tensor:
+        """Final norm + lm_head on the chosen rows of the pre-norm hidden states; fp32 logits."""
+        if indices is not None:
+            hidden_states = hidden_states[indices]
+        return self.lm_head(self.model.norm(hidden_states)).float()
+
+    # --- KV cache -------------------------------------------------------------------------------
+    def kv_cache_shape(self, num_pages: int, page_size: int) -> tuple[int, ...]:
+        attn = self.model.layers[0].self_attn
+        return (num_pages, 2, page_size, attn.num_kv_heads, attn.head_dim)
+
+    def allocate_kv_cache(self, num_pages: int, page_size: int, dtype: torch.dtype, device: torch.device) -> list:
+        shape = self.kv_cache_shape(num_pages, page_size)
+        return [torch.zeros(shape, dtype=dtype, device=device) for _ in self.model.layers]
+
+    def kv_bytes_per_token(self, dtype: torch.dtype) -> int:
+        attn = self.model.layers[0].self_attn
+        elem = torch.tensor([], dtype=dtype).element_size()
+        return 2 * attn.num_kv_heads * attn.head_dim * elem * len(self.model.layers)
+
+    def attention_dims(self) -> dict:
+        """Head layout an attention backend plans with."""
+        attn = self.model.layers[0].self_attn
+        return dict(num_heads=attn.num_heads, num_kv_heads=attn.num_kv_heads, head_dim=attn.head_dim, mla_dims=None)
