@@ -46,6 +46,27 @@ class AttentionBackend(Protocol):
         ...
 
 
+def cache_write_rows(meta: PageMetadata) -> tuple[torch.Tensor, torch.Tensor]:
+    """Rows of the flat cache views where this step's tokens go: ([2T] K rows then V rows, [T] MLA rows)."""
+    page, offset = meta.slot_mapping // meta.page_size, meta.slot_mapping % meta.page_size
+    k_rows = 2 * page * meta.page_size + offset
+    return torch.cat((k_rows, k_rows + meta.page_size)), meta.slot_mapping
+
+
+def write_kv(kv_cache: torch.Tensor, rows: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+    """Store K/V into a [pages, 2, page_size, Hkv, D] cache; returns its flat [pages*2*page_size, Hkv, D] view."""
+    flat = kv_cache.view(-1, *kv_cache.shape[-2:])
+    flat.index_copy_(0, rows, torch.cat((k, v)).to(kv_cache.dtype))
+    return flat
+
+
+def write_mla(cache: torch.Tensor, rows: torch.Tensor, values: torch.Tensor) -> torch.Tensor:
+    """Store latents or rope keys into a [pages, page_size, dim] cache; returns its flat view."""
+    flat = cache.view(-1, cache.shape[-1])
+    flat.index_copy_(0, rows, values.to(cache.dtype))
+    return flat
+
+
 class TorchAttention:
     """Paged attention in plain PyTorch: gather each sequence's pages into a padded batch, then SDPA.
 
@@ -60,16 +81,20 @@ class TorchAttention:
         q_lens = (meta.qo_indptr[1:] - meta.qo_indptr[:-1]).long()
         kv_lens = meta.kv_lens.long()
 
-        # Where this step's tokens are written.
-        self.write_page = meta.slot_mapping // page_size
-        self.write_offset = meta.slot_mapping % page_size
+        # Caches are read and written through flat views ([pages * page_size, ...] for MLA, [pages * 2 *
+        # page_size, ...] for K/V, where K of page p starts at row 2p * page_size and V at (2p + 1) * page_size)
+        # with index_copy_/index_select: one kernel each, far cheaper than multi-dimensional indexing.
+        self.kv_write, self.mla_write = cache_write_rows(meta)
 
-        # Where each sequence's keys are read: [B, max_kv] page and in-page offset (padding clamped).
+        # Each sequence's keys, padded to max_kv (padding clamped to a valid page and masked below).
         kv_pos = torch.arange(max_kv, device=device)
         page_slot = meta.kv_indptr.long()[:-1, None] + kv_pos[None, :] // page_size
         page_slot = page_slot.clamp_(max=max(meta.kv_indices.shape[0] - 1, 0))
-        self.read_page = meta.kv_indices.long()[page_slot]
-        self.read_offset = (kv_pos % page_size).expand(batch, max_kv)
+        read_page, read_offset = meta.kv_indices.long()[page_slot], kv_pos % page_size  # [B, max_kv]
+        self.mla_read = (read_page * page_size + read_offset).flatten()
+        k_read = (2 * read_page * page_size + read_offset).flatten()
+        self.kv_read = torch.cat((k_read, k_read + page_size))  # [2 * B * max_kv]
+        self.read_shape = (batch, max_kv)
 
         # Packed queries -> padded [B, max_q]: decode-only batches (max_q == 1) need no padding at all.
         self.decode_only = max_q == 1
@@ -100,10 +125,10 @@ class TorchAttention:
     def attend(
         self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, kv_cache: torch.Tensor, scale: float
     ) -> torch.Tensor:
-        kv_cache[self.write_page, :, self.write_offset] = torch.stack((k, v), dim=1).to(kv_cache.dtype)
-        kv = kv_cache[self.read_page, :, self.read_offset]  # [B, max_kv, 2, Hkv, D]
-        keys = kv[:, :, 0].transpose(1, 2).to(q.dtype)
-        values = kv[:, :, 1].transpose(1, 2).to(q.dtype)
+        flat = write_kv(kv_cache, self.kv_write, k, v)
+        kv = flat.index_select(0, self.kv_read).view(2, *self.read_shape, *kv_cache.shape[-2:])
+        keys = kv[0].transpose(1, 2).to(q.dtype)  # [B, Hkv, max_kv, D]
+        values = kv[1].transpose(1, 2).to(q.dtype)
         out = F.scaled_dot_product_attention(
             self._pad_queries(q), keys, values, attn_mask=self.mask, scale=scale, enable_gqa=True
         )
@@ -119,10 +144,10 @@ class TorchAttention:
         kpe_cache: torch.Tensor,
         scale: float,
     ) -> torch.Tensor:
-        ckv_cache[self.write_page, self.write_offset] = ckv.to(ckv_cache.dtype)
-        kpe_cache[self.write_page, self.write_offset] = kpe.to(kpe_cache.dtype)
-        latent = ckv_cache[self.read_page, self.read_offset].to(q_latent.dtype)  # [B, max_kv, R]
-        rope_key = kpe_cache[self.read_page, self.read_offset].to(q_latent.dtype)  # [B, max_kv, Dr]
+        ckv_flat = write_mla(ckv_cache, self.mla_write, ckv)
+        kpe_flat = write_mla(kpe_cache, self.mla_write, kpe)
+        latent = ckv_flat.index_select(0, self.mla_read).view(*self.read_shape, -1).to(q_latent.dtype)  # [B, max_kv, R]
+        rope_key = kpe_flat.index_select(0, self.mla_read).view(*self.read_shape, -1).to(q_latent.dtype)
         keys = torch.cat((latent, rope_key), dim=-1)[:, None]  # one head shared by all query heads
         query = self._pad_queries(torch.cat((q_latent, q_rope), dim=-1))
         out = F.scaled_dot_product_attention(
@@ -157,8 +182,7 @@ class FlashInferAttention:
         # FlashInfer bakes sm_scale into the plan; the first layer's call completes it (all layers share it).
         self._meta = meta
         self._planned_scale = None
-        self.write_page = meta.slot_mapping // meta.page_size
-        self.write_offset = meta.slot_mapping % meta.page_size
+        self.kv_write, self.mla_write = cache_write_rows(meta)
 
     def _ensure_planned(self, scale: float) -> None:
         if self._planned_scale == scale:
@@ -184,7 +208,7 @@ class FlashInferAttention:
         self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, kv_cache: torch.Tensor, scale: float
     ) -> torch.Tensor:
         self._ensure_planned(scale)
-        kv_cache[self.write_page, :, self.write_offset] = torch.stack((k, v), dim=1).to(kv_cache.dtype)
+        write_kv(kv_cache, self.kv_write, k, v)
         return self.wrapper.run(q.contiguous(), kv_cache)
 
     def attend_mla(
@@ -198,8 +222,8 @@ class FlashInferAttention:
         scale: float,
     ) -> torch.Tensor:
         self._ensure_planned(scale)
-        ckv_cache[self.write_page, self.write_offset] = ckv.to(ckv_cache.dtype)
-        kpe_cache[self.write_page, self.write_offset] = kpe.to(kpe_cache.dtype)
+        write_mla(ckv_cache, self.mla_write, ckv)
+        write_mla(kpe_cache, self.mla_write, kpe)
         return self.wrapper.run(q_latent.contiguous(), q_rope.contiguous(), ckv_cache, kpe_cache)
 
 

@@ -69,16 +69,21 @@ def safetensors_files(path: Path) -> list[Path]:
 def load_model(
     path: str | Path, dtype: torch.dtype = torch.float32, device: str | torch.device = "cpu"
 ) -> torch.nn.Module:
-    """Build the model on the meta device, then fill every parameter from the checkpoint."""
+    """Build the model on the meta device, then fill every parameter from the checkpoint's tensors.
+
+    An architecture's `checkpoint_renames(key, tensor, config)` may map one checkpoint tensor onto rows of
+    a fused parameter (yielding (name, tensor, first_row)) or split it into several (name, tensor) pieces.
+    """
     path = Path(path)
     config = load_config(path)
     module_name, class_name = MODEL_CLASSES[config.model_type].split(":")
     model_cls = getattr(importlib.import_module(module_name), class_name)
     with torch.device("meta"):
         model = model_cls(config)
-    params = dict(model.named_parameters(remove_duplicate=False))
+    params = dict(model.named_parameters())
     tied = {"lm_head.weight"} if getattr(config, "tie_word_embeddings", False) else set()
     state: dict[str, torch.Tensor] = {}
+    rows_filled: dict[str, int] = {}
     renames = getattr(model_cls, "checkpoint_renames", None)
     for file in safetensors_files(path):
         try:
@@ -86,23 +91,35 @@ def load_model(
                 for key in f.keys():
                     if key.endswith(IGNORED_KEY_SUFFIXES) or key in tied:
                         continue
-                    items = renames(key, f.get_tensor(key), config) if renames else [(key, f.get_tensor(key))]
-                    for name, tensor in items:
-                        if name not in params:
-                            raise ModelLoadError(f"{file}: tensor {name!r} is not a parameter of {model_cls.__name__}")
-                        if tuple(tensor.shape) != tuple(params[name].shape):
-                            raise ModelLoadError(
-                                f"{file}: tensor {name!r} has shape {tuple(tensor.shape)}, "
-                                f"config.json implies {tuple(params[name].shape)}"
-                            )
-                        state[name] = tensor.to(dtype)
+                    tensor = f.get_tensor(key)
+                    for name, piece, *row in renames(key, tensor, config) if renames else [(key, tensor)]:
+                        _place(file, name, piece, row[0] if row else 0, params, state, rows_filled, dtype)
         except (OSError, RuntimeError) as err:  # safetensors' errors for truncated or non-safetensors files
             raise ModelLoadError(f"cannot read {file}: {err}") from err
-    missing = sorted(set(params) - set(state) - tied)
-    if missing:
-        shown = ", ".join(missing[:5]) + (f" and {len(missing) - 5} more" if len(missing) > 5 else "")
-        raise ModelLoadError(f"{path}: checkpoint lacks {shown}")
+    incomplete = sorted(n for n in params if n not in tied and rows_filled.get(n, 0) < params[n].shape[0])
+    if incomplete:
+        shown = ", ".join(incomplete[:5]) + (f" and {len(incomplete) - 5} more" if len(incomplete) > 5 else "")
+        raise ModelLoadError(f"{path}: checkpoint lacks tensors for {shown}")
     model.load_state_dict(state, strict=False, assign=True)
     if tied:
         model.lm_head.weight = model.model.embed_tokens.weight
     return model.to(device).eval().requires_grad_(False)
+
+
+def _place(
+    file: Path, name: str, tensor: torch.Tensor, row: int, params: dict[str, torch.nn.Parameter],
+    state: dict[str, torch.Tensor], rows_filled: dict[str, int], dtype: torch.dtype,
+) -> None:
+    """Copy a checkpoint tensor into rows [row, row + len) of parameter `name`, checking its shape."""
+    if name not in params:
+        raise ModelLoadError(f"{file}: tensor {name!r} matches no parameter of the model in config.json")
+    expected = params[name].shape
+    if tuple(tensor.shape[1:]) != tuple(expected[1:]) or row + tensor.shape[0] > expected[0]:
+        raise ModelLoadError(
+            f"{file}: tensor {name!r} of shape {tuple(tensor.shape)} does not fit {tuple(expected)} at row {row}"
+            " (does config.json match the weights?)"
+        )
+    if name not in state:
+        state[name] = torch.empty(expected, dtype=dtype)
+    state[name][row : row + tensor.shape[0]] = tensor
+    rows_filled[name] = rows_filled.get(name, 0) + tensor.shape[0]

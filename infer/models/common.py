@@ -5,6 +5,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 import torch
+import torch.nn.functional as F
 from torch import nn
 from transformers import PretrainedConfig
 from transformers.modeling_rope_utils import ROPE_INIT_FUNCTIONS
@@ -34,6 +35,8 @@ class RMSNorm(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         dtype = x.dtype
+        if dtype == torch.float32:  # one fused call; the same arithmetic as below
+            return F.rms_norm(x, self.weight.shape, self.weight, self.eps)
         x = x.float()
         x = x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + self.eps)
         return self.weight * x.to(dtype)
@@ -51,7 +54,8 @@ def rope_inv_freq(config: PretrainedConfig, dim: int) -> tuple[torch.Tensor, flo
         return 1.0 / (theta ** (torch.arange(0, dim, 2, dtype=torch.float, device="cpu") / dim)), 1.0
     if rope_type not in ROPE_INIT_FUNCTIONS:
         raise ValueError(f"unsupported rope_type {rope_type!r} in the model config")
-    inv_freq, scale = ROPE_INIT_FUNCTIONS[rope_type](config, torch.device("cpu"))
+    with torch.device("cpu"):  # some init functions (yarn) create tensors without a device: not on meta
+        inv_freq, scale = ROPE_INIT_FUNCTIONS[rope_type](config, torch.device("cpu"))
     return inv_freq.float(), float(scale)
 
 
@@ -73,12 +77,16 @@ class RotaryEmbedding(nn.Module):
         return freqs.cos() * self.scale, freqs.sin() * self.scale
 
 
-def apply_rope_half(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-    """Rotate x [T, H, D] in the half-split layout (Llama): pairs are (i, i + D/2)."""
+def half_split_cos_sin(cos: torch.Tensor, sin: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """[T, D/2] -> [T, 1, D] tables for `apply_rope_half`; built once per step, used by every layer."""
+    return torch.cat((cos, cos), dim=-1)[:, None, :], torch.cat((-sin, sin), dim=-1)[:, None, :]
+
+
+def apply_rope_half(x: torch.Tensor, cos: torch.Tensor, signed_sin: torch.Tensor) -> torch.Tensor:
+    """Rotate x [T, H, D] in the half-split layout (Llama: pairs (i, i + D/2)), tables from half_split_cos_sin."""
     half = x.shape[-1] // 2
-    x1, x2 = x[..., :half].float(), x[..., half:].float()
-    cos, sin = cos[:, None, :], sin[:, None, :]
-    return torch.cat((x1 * cos - x2 * sin, x2 * cos + x1 * sin), dim=-1).to(x.dtype)
+    rotated = torch.cat((x[..., half:], x[..., :half]), dim=-1)
+    return (x.float() * cos + rotated.float() * signed_sin).to(x.dtype)
 
 
 def apply_rope_interleaved(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:

@@ -1,7 +1,9 @@
 """Llama (1, 2, 3.x, TinyStories): GQA, RoPE (default and llama3 scaling), tied or untied embeddings.
 
-Module names mirror the Hugging Face checkpoint keys, so loading is a plain state-dict copy. The forward
-runs one packed batch of variable-length sequences (no padding) against the paged KV cache.
+Module names mirror the Hugging Face checkpoint keys, except that q/k/v and gate/up projections are stored
+fused (`qkv_proj`, `gate_up_proj`: one matmul instead of three and two, as vLLM and SGLang do);
+`checkpoint_renames` maps the checkpoint's tensors onto their rows. The forward runs one packed batch of
+variable-length sequences (no padding) against the paged KV cache.
 """
 
 from __future__ import annotations
@@ -14,7 +16,22 @@ from torch import nn
 from transformers import LlamaConfig
 
 from infer.attention import AttentionBackend
-from infer.models.common import ModelOutput, RMSNorm, RotaryEmbedding, apply_rope_half
+from infer.models.common import ModelOutput, RMSNorm, RotaryEmbedding, apply_rope_half, half_split_cos_sin
+
+
+def fused_rows(key: str, tensor: torch.Tensor, config: LlamaConfig) -> tuple[str, torch.Tensor, int]:
+    """Where a checkpoint's q/k/v_proj or gate/up_proj tensor sits inside the fused parameter."""
+    head_dim = getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
+    q_rows, kv_rows = config.num_attention_heads * head_dim, config.num_key_value_heads * head_dim
+    offsets = {
+        "q_proj": ("qkv_proj", 0), "k_proj": ("qkv_proj", q_rows), "v_proj": ("qkv_proj", q_rows + kv_rows),
+        "gate_proj": ("gate_up_proj", 0), "up_proj": ("gate_up_proj", config.intermediate_size),
+    }
+    parts = key.split(".")
+    if len(parts) >= 2 and parts[-2] in offsets:
+        fused, row = offsets[parts[-2]]
+        return ".".join(parts[:-2] + [fused, parts[-1]]), tensor, row
+    return key, tensor, 0
 
 
 class LlamaAttention(nn.Module):
@@ -25,18 +42,17 @@ class LlamaAttention(nn.Module):
         self.head_dim = getattr(config, "head_dim", None) or config.hidden_size // self.num_heads
         self.scale = self.head_dim**-0.5
         bias = config.attention_bias
-        self.q_proj = nn.Linear(config.hidden_size, self.num_heads * self.head_dim, bias=bias)
-        self.k_proj = nn.Linear(config.hidden_size, self.num_kv_heads * self.head_dim, bias=bias)
-        self.v_proj = nn.Linear(config.hidden_size, self.num_kv_heads * self.head_dim, bias=bias)
+        qkv_rows = (self.num_heads + 2 * self.num_kv_heads) * self.head_dim
+        self.qkv_proj = nn.Linear(config.hidden_size, qkv_rows, bias=bias)
         self.o_proj = nn.Linear(self.num_heads * self.head_dim, config.hidden_size, bias=bias)
 
     def forward(
         self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, attn: AttentionBackend, kv_cache: torch.Tensor
     ) -> torch.Tensor:
         tokens = x.shape[0]
-        q = apply_rope_half(self.q_proj(x).view(tokens, self.num_heads, self.head_dim), cos, sin)
-        k = apply_rope_half(self.k_proj(x).view(tokens, self.num_kv_heads, self.head_dim), cos, sin)
-        v = self.v_proj(x).view(tokens, self.num_kv_heads, self.head_dim)
+        qkv = self.qkv_proj(x).view(tokens, self.num_heads + 2 * self.num_kv_heads, self.head_dim)
+        qk, v = qkv.split((self.num_heads + self.num_kv_heads, self.num_kv_heads), dim=1)
+        q, k = apply_rope_half(qk, cos, sin).split((self.num_heads, self.num_kv_heads), dim=1)
         out = attn.attend(q, k, v, kv_cache, self.scale)
         return self.o_proj(out.reshape(tokens, self.num_heads * self.head_dim))
 
@@ -44,12 +60,12 @@ class LlamaAttention(nn.Module):
 class LlamaMLP(nn.Module):
     def __init__(self, hidden_size: int, intermediate_size: int, bias: bool = False) -> None:
         super().__init__()
-        self.gate_proj = nn.Linear(hidden_size, intermediate_size, bias=bias)
-        self.up_proj = nn.Linear(hidden_size, intermediate_size, bias=bias)
+        self.gate_up_proj = nn.Linear(hidden_size, 2 * intermediate_size, bias=bias)
         self.down_proj = nn.Linear(intermediate_size, hidden_size, bias=bias)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.down_proj(F.silu(self.gate_proj(x)) * self.up_proj(x))
+        gate, up = self.gate_up_proj(x).chunk(2, dim=-1)
+        return self.down_proj(F.silu(gate) * up)
 
 
 class LlamaDecoderLayer(nn.Module):
@@ -86,6 +102,11 @@ class LlamaForCausalLM(nn.Module):
         if config.tie_word_embeddings:
             self.lm_head.weight = self.model.embed_tokens.weight
 
+    @staticmethod
+    def checkpoint_renames(key: str, tensor: torch.Tensor, config: LlamaConfig) -> list[tuple[str, torch.Tensor, int]]:
+        """Checkpoint tensor -> (parameter, tensor, first row) pieces: q/k/v and gate/up land in fused rows."""
+        return [fused_rows(key, tensor, config)]
+
     def forward(
         self,
         input_ids: torch.Tensor,
@@ -96,7 +117,7 @@ class LlamaForCausalLM(nn.Module):
         aux_layers: Sequence[int] = (),
     ) -> ModelOutput:
         """input_ids, positions [T] packed; attn already planned for this step's page tables."""
-        cos, sin = self.model.rotary_emb(positions)
+        cos, sin = half_split_cos_sin(*self.model.rotary_emb(positions))
         x = self.model.embed_tokens(input_ids)
         aux: dict[int, torch.Tensor] = {}
         for i, layer in enumerate(self.model.layers):
