@@ -22,6 +22,7 @@ from infer.loader import load_model
 from infer.model_runner import ModelRunner
 from infer.sampler import SamplingTensors, make_generator, sample
 from infer.sampling_params import SamplingParams
+from infer.speculative import Drafter, DraftModel, MTPDrafter, SpecStats, speculative_step
 
 
 @dataclass
@@ -38,6 +39,9 @@ class Request:
     finish_reason: str | None = None  # "stop" (EOS id or stop string) or "length"
     text: str = ""
     num_preemptions: int = 0
+    draft_computed: int = 0  # positions the drafter's cache holds (speculative decoding)
+    draft_carry: tuple | None = None  # the drafter's (logits, hidden) at its last position
+    spec_stats: SpecStats | None = None
     arrival_time: float = field(default_factory=time.perf_counter)
     finish_time: float | None = None
 
@@ -68,6 +72,7 @@ class EngineConfig:
     max_num_seqs: int = 64
     max_num_batched_tokens: int = 2048
     backend: str = "auto"
+    num_draft_tokens: int = 4  # K, when a drafter is attached
 
 
 class Engine:
@@ -95,6 +100,24 @@ class Engine:
         self.running: list[Request] = []
         self._next_id = 0
         self.num_steps = 0
+        self.drafter: Drafter | None = None
+        self.num_draft_tokens = cfg.num_draft_tokens
+        self.spec_stats: SpecStats | None = None
+
+    def attach_drafter(self, kind: str, model: torch.nn.Module) -> None:
+        """Speculate with a draft LM (kind "draft") or an MTP head (kind "mtp") on the engine's own pages."""
+        if self.has_unfinished():
+            raise RuntimeError("attach a drafter before adding requests")
+        if self.num_draft_tokens < 1:
+            raise ValueError(f"num_draft_tokens must be >= 1, got {self.num_draft_tokens}")
+        if model.config.vocab_size != self.model.config.vocab_size:
+            raise ValueError(
+                f"the drafter's vocabulary ({model.config.vocab_size}) differs from the target's "
+                f"({self.model.config.vocab_size}): it must share the target's tokenizer"
+            )
+        drafter_cls = {"draft": DraftModel, "mtp": MTPDrafter}[kind]
+        self.drafter = drafter_cls(model, self.pool.num_pages, self.config.page_size, self.config.backend)
+        self.spec_stats = SpecStats(self.num_draft_tokens)
 
     @classmethod
     def from_pretrained(
@@ -144,6 +167,7 @@ class Engine:
             generator=make_generator(params.seed, self.device),
             page_table=PageTable(self.pool),
             prompt=prompt_text,
+            spec_stats=SpecStats(self.num_draft_tokens) if self.drafter else None,
         )
         self._next_id += 1
         self.waiting.append(request)
@@ -156,7 +180,8 @@ class Engine:
     def _preempt_newest(self) -> Request:
         victim = self.running.pop()
         victim.page_table.free()
-        victim.num_computed = 0
+        victim.num_computed = victim.draft_computed = 0
+        victim.draft_carry = None
         victim.num_preemptions += 1
         self.waiting.appendleft(victim)
         return victim
@@ -199,6 +224,9 @@ class Engine:
             if self.waiting:
                 raise RuntimeError("no request fits in the KV cache; raise num_pages or lower max_num_seqs")
             return []
+        self.num_steps += 1
+        if self._can_speculate(scheduled):
+            return self._finish_step(speculative_step(self, [r for r, _ in scheduled]))
         input_ids: list[int] = []
         q_lens, kv_lens, page_lists, sampling = [], [], [], []
         for request, q_len in scheduled:
@@ -213,21 +241,53 @@ class Engine:
         ids = torch.tensor(input_ids, dtype=torch.long, device=self.device)
         logits_indices = torch.tensor([row for _, row in sampling], dtype=torch.long, device=self.device)
         out = self.runner.run(ids, meta, logits_indices)
-        self.num_steps += 1
-        if not sampling:
-            return []
-        requests = [r for r, _ in sampling]
-        tensors = SamplingTensors.from_params([r.params for r in requests], self.device)
-        new_tokens = sample(out.logits, tensors, [r.generator for r in requests]).tolist()
         finished = []
-        for request, token in zip(requests, new_tokens):
-            if self._append_token(request, token):
-                finished.append(request)
+        if sampling:
+            requests = [r for r, _ in sampling]
+            tensors = SamplingTensors.from_params([r.params for r in requests], self.device)
+            new_tokens = sample(out.logits, tensors, [r.generator for r in requests]).tolist()
+            finished = [r for r, token in zip(requests, new_tokens) if self.append_token(r, token)]
+        if self.drafter is not None:  # keep the drafter in lockstep: it reads what the target just settled
+            first_rows = [0, *torch.tensor(q_lens).cumsum(0).tolist()]
+            live = [(i, r) for i, (r, _) in enumerate(scheduled) if not r.finished and self._reserve_catch_up(r)]
+            hidden = {r.request_id: (kv_lens[i] - q_lens[i], out.hidden_states[first_rows[i] : first_rows[i + 1]])
+                      for i, r in live}
+            self.drafter.catch_up([r for _, r in live], hidden)
+        return self._finish_step(finished)
+
+    def _reserve_catch_up(self, request: Request) -> bool:
+        """Pages for the drafter's catch-up; without them it catches up in a later step (no speculation till then)."""
+        try:
+            request.page_table.extend(self.drafter.catch_up_end(request))
+        except OutOfPages:
+            return False
+        return True
+
+    def _can_speculate(self, scheduled: list[tuple[Request, int]]) -> bool:
+        """Speculate on decode-only batches whose requests have room for K more tokens in context and pages."""
+        if self.drafter is None:
+            return False
+        k = self.num_draft_tokens
+        if any(
+            r.num_tokens - r.num_computed != 1  # not a plain decode (a prefill chunk)
+            or r.draft_computed != self.drafter.catch_up_end(r)  # the drafter lags (it ran out of pages)
+            or r.num_tokens + k >= self.max_model_len
+            for r, _ in scheduled
+        ):
+            return False
+        needed = sum(r.page_table.pages_to_grow(r.num_tokens + k + 1) for r, _ in scheduled)
+        if needed > self.pool.num_free:
+            return False
+        for request, _ in scheduled:  # verify writes K+1 positions; a draft LM then reads one more
+            request.page_table.extend(request.num_tokens + k + 1)
+        return True
+
+    def _finish_step(self, finished: list[Request]) -> list[Request]:
         if finished:
             self.running = [r for r in self.running if not r.finished]
         return finished
 
-    def _append_token(self, request: Request, token: int) -> bool:
+    def append_token(self, request: Request, token: int) -> bool:
         """Record a sampled token and decide whether the request stops; frees its pages when it does."""
         request.output_ids.append(token)
         params = request.params

@@ -6,8 +6,6 @@ tensors are indexed by the same page ids, so one allocator serves both.
 
 from __future__ import annotations
 
-from collections.abc import Sequence
-
 import torch
 
 from infer.attention import FlashInferAttention, TorchAttention, resolve_backend_name
@@ -37,7 +35,8 @@ class ModelRunner:
         input_ids: torch.Tensor,
         meta: PageMetadata,
         logits_indices: torch.Tensor | None = None,
-        aux_layers: Sequence[int] = (),
+        **model_inputs,
     ) -> ModelOutput:
+        """model_inputs: aux_layers=(...) for a language model, hidden_states=[T, H] for an MTP head."""
         self.attn.plan(meta)
-        return self.model(input_ids, meta.positions, self.attn, self.kv_caches, logits_indices, aux_layers)
+        return self.model(input_ids, meta.positions, self.attn, self.kv_caches, logits_indices, **model_inputs)

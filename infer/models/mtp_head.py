@@ -1,0 +1,238 @@
+"""The MTP draft head (DeepSeek-V3 style) as the runtime serves it, and the head folder format.
+
+At position i the head reads the next token t_{i+1} and the target's hidden state h_i (its last layer's
+output before the final norm) and predicts t_{i+2}:
+
+    x_i  = eh_proj([enorm(Emb(t_{i+1})) ; hnorm(h_i)])       # concat, embedding first, then project 2H -> H
+    h'_i = decoder_layer(x_i)                                  # one layer of the target's kind, own KV cache
+    p    = softmax(lm_head(final_norm(h'_i)))
+
+Emb and lm_head are the target's own tensors, used in place (never copied, never saved with the head).
+h'_i stands in for the target's h_{i+1} when the head drafts a second token. Each norm can be switched off
+(EAGLE-1 has none and adds a bias to the projection) so their effect can be measured.
+
+A head folder holds `config.json` (`MTPHeadConfig` plus the decoder layer's config) and `model.safetensors`
+with keys enorm.weight, hnorm.weight, eh_proj.weight (+ .bias), layer.*, final_norm.weight.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+import shutil
+import tempfile
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+
+import torch
+from safetensors.torch import load_file, save_file
+from torch import nn
+from transformers import LlamaConfig
+
+from infer.attention import AttentionBackend
+from infer.models.common import ModelOutput, RMSNorm, RotaryEmbedding, half_split_cos_sin
+from infer.models.llama import LlamaDecoderLayer
+
+HEAD_FORMAT_VERSION = 1
+
+
+class HeadLoadError(ValueError):
+    """A head folder that cannot serve this target; the message names the file or field."""
+
+
+@dataclass
+class MTPHeadConfig:
+    hidden_size: int
+    vocab_size: int
+    decoder: dict  # the decoder layer's config (a LlamaConfig dict: heads, head_dim, intermediate size, rope, eps)
+    enorm: bool = True
+    hnorm: bool = True
+    final_norm: bool = True
+    proj_bias: bool = False
+    rms_norm_eps: float = 1e-5
+    architecture: str = "mtp"  # "mtp" (norms on) or "eagle1" (no norms, biased projection)
+    target: dict = field(default_factory=dict)  # {"name", "hidden_size", "vocab_size", "shared_tensors_sha256"}
+    format_version: int = HEAD_FORMAT_VERSION
+
+    def decoder_config(self) -> LlamaConfig:
+        return LlamaConfig(**self.decoder)
+
+
+@dataclass
+class SharedTargetWeights:
+    """The target's embedding and output projection, referenced (not registered) so a head never saves them."""
+
+    embed_tokens: nn.Embedding
+    lm_head: nn.Linear
+
+
+class MTPHead(nn.Module):
+    def __init__(self, config: MTPHeadConfig) -> None:
+        super().__init__()
+        self.config = config
+        hidden, eps = config.hidden_size, config.rms_norm_eps
+        self.enorm = RMSNorm(hidden, eps) if config.enorm else nn.Identity()
+        self.hnorm = RMSNorm(hidden, eps) if config.hnorm else nn.Identity()
+        self.eh_proj = nn.Linear(2 * hidden, hidden, bias=config.proj_bias)
+        decoder_config = config.decoder_config()
+        self.layer = LlamaDecoderLayer(decoder_config)
+        self.final_norm = RMSNorm(hidden, eps) if config.final_norm else nn.Identity()
+        head_dim = decoder_config.head_dim or decoder_config.hidden_size // decoder_config.num_attention_heads
+        self.rotary_emb = RotaryEmbedding(decoder_config, head_dim)
+        self.shared: SharedTargetWeights | None = None
+
+    def attach(self, shared: SharedTargetWeights) -> "MTPHead":
+        """Point the head at the target's embedding and lm_head (in place, no copy)."""
+        if shared.embed_tokens.weight.shape != (self.config.vocab_size, self.config.hidden_size):
+            raise HeadLoadError(
+                f"head expects a target with vocab {self.config.vocab_size} and hidden size {self.config.hidden_size}, "
+                f"the target has {tuple(shared.embed_tokens.weight.shape)}"
+            )
+        self.shared = shared
+        return self
+
+    def forward(
+        self,
+        input_ids: torch.Tensor,
+        positions: torch.Tensor,
+        attn: AttentionBackend,
+        kv_caches: list[torch.Tensor],
+        logits_indices: torch.Tensor | None = None,
+        hidden_states: torch.Tensor | None = None,
+    ) -> ModelOutput:
+        """input_ids [T] are t_{i+1}, hidden_states [T, H] are h_i, positions [T] are i."""
+        assert self.shared is not None, "attach() the target's weights first"
+        assert hidden_states is not None, "the head needs the target's hidden states"
+        emb = self.enorm(self.shared.embed_tokens(input_ids))
+        x = self.eh_proj(torch.cat((emb, self.hnorm(hidden_states.to(emb.dtype))), dim=-1))
+        cos, sin = half_split_cos_sin(*self.rotary_emb(positions))
+        x = self.layer(x, cos, sin, attn, kv_caches[0])
+        return ModelOutput(self.compute_logits(x, logits_indices), x)
+
+    def compute_logits(self, hidden_states: torch.Tensor, indices: torch.Tensor | None = None) -> torch.Tensor:
+        if indices is not None:
+            hidden_states = hidden_states[indices]
+        return self.shared.lm_head(self.final_norm(hidden_states)).float()
+
+    # --- KV cache: one Llama layer ---------------------------------------------------------------
+    def allocate_kv_cache(self, num_pages: int, page_size: int, dtype: torch.dtype, device: torch.device) -> list:
+        attn = self.layer.self_attn
+        return [torch.zeros((num_pages, 2, page_size, attn.num_kv_heads, attn.head_dim), dtype=dtype, device=device)]
+
+    def kv_bytes_per_token(self, dtype: torch.dtype) -> int:
+        attn = self.layer.self_attn
+        return 2 * attn.num_kv_heads * attn.head_dim * torch.tensor([], dtype=dtype).element_size()
+
+    def attention_dims(self) -> dict:
+        attn = self.layer.self_attn
+        return dict(num_heads=attn.num_heads, num_kv_heads=attn.num_kv_heads, head_dim=attn.head_dim, mla_dims=None)
+
+
+def shared_tensors_sha256(embed: torch.Tensor, lm_head: torch.Tensor) -> str:
+    """Identity of the target's shared tensors: a head trained against one target refuses another."""
+    digest = hashlib.sha256()
+    for tensor in (embed, lm_head):
+        digest.update(tensor.detach().float().cpu().contiguous().numpy().tobytes())
+    return digest.hexdigest()
+
+
+def target_identity(target: nn.Module, name: str) -> dict:
+    return {
+        "name": name,
+        "hidden_size": target.config.hidden_size,
+        "vocab_size": target.config.vocab_size,
+        "shared_tensors_sha256": shared_tensors_sha256(target.model.embed_tokens.weight, target.lm_head.weight),
+    }
+
+
+def head_config_from_target(target: nn.Module, target_name: str, architecture: str = "mtp") -> MTPHeadConfig:
+    """A head shaped like one of the target's (Llama) layers; eagle1 drops the norms and biases the projection."""
+    cfg = target.config
+    decoder = {
+        key: getattr(cfg, key)
+        for key in ("hidden_size", "intermediate_size", "num_attention_heads", "num_key_value_heads", "head_dim",
+                    "rms_norm_eps", "max_position_embeddings", "attention_bias", "mlp_bias", "hidden_act")
+        if getattr(cfg, key, None) is not None
+    }
+    decoder["rope_parameters"] = dict(cfg.rope_parameters) if getattr(cfg, "rope_parameters", None) else None
+    norms = architecture == "mtp"
+    return MTPHeadConfig(
+        hidden_size=cfg.hidden_size, vocab_size=cfg.vocab_size, decoder=decoder, enorm=norms, hnorm=norms,
+        final_norm=norms, proj_bias=not norms, rms_norm_eps=cfg.rms_norm_eps, architecture=architecture,
+        target=target_identity(target, target_name),
+    )
+
+
+def init_head_from_target(target: nn.Module, target_name: str, architecture: str = "mtp") -> MTPHead:
+    """An untrained head: the target's last layer, the projection passing h_i through and ignoring the token.
+
+    It drafts what one more pass of the last layer over h_i would say: a real but weak guess (low acceptance),
+    which is what tests of the speculation machinery need before trained heads exist.
+    """
+    config = head_config_from_target(target, target_name, architecture)
+    head = MTPHead(config).to(dtype=next(target.parameters()).dtype)
+    hidden = config.hidden_size
+    with torch.no_grad():
+        head.eh_proj.weight.zero_()
+        head.eh_proj.weight[:, hidden:] = torch.eye(hidden)
+        if head.eh_proj.bias is not None:
+            head.eh_proj.bias.zero_()
+        head.layer.load_state_dict(target.model.layers[-1].state_dict())
+        if config.final_norm:
+            head.final_norm.weight.copy_(target.model.norm.weight)
+    return head.attach(SharedTargetWeights(target.model.embed_tokens, target.lm_head))
+
+
+def save_head(head: MTPHead, out: str | Path) -> Path:
+    """Write config.json + model.safetensors atomically (a temp folder renamed into place)."""
+    out = Path(out)
+    out.parent.mkdir(parents=True, exist_ok=True)
+    tmp = Path(tempfile.mkdtemp(prefix=f".{out.name}.", dir=out.parent))
+    state = {k: v.detach().contiguous().cpu() for k, v in head.state_dict().items()}
+    save_file(state, str(tmp / "model.safetensors"), metadata={"format": "pt"})
+    (tmp / "config.json").write_text(json.dumps(asdict(head.config), indent=2) + "\n")
+    if out.exists():  # swap, so a crash leaves either the old head or the new one
+        old = out.with_name(f".{out.name}.old")
+        os.replace(out, old)
+        os.replace(tmp, out)
+        shutil.rmtree(old)
+    else:
+        os.replace(tmp, out)
+    return out
+
+
+def load_head(path: str | Path, target: nn.Module, dtype: torch.dtype | None = None) -> MTPHead:
+    """Load a head folder against `target`, refusing a head trained for a different target."""
+    path = Path(path)
+    config_file, weights_file = path / "config.json", path / "model.safetensors"
+    for file in (config_file, weights_file):
+        if not file.is_file():
+            raise HeadLoadError(f"{file} is missing: expected a head folder (config.json + model.safetensors)")
+    try:
+        raw = json.loads(config_file.read_text())
+        config = MTPHeadConfig(**raw)
+    except (json.JSONDecodeError, TypeError) as err:
+        raise HeadLoadError(f"{config_file} is not a head config: {err}") from err
+    if config.format_version != HEAD_FORMAT_VERSION:
+        raise HeadLoadError(f"{config_file}: head format {config.format_version}, this runtime reads {HEAD_FORMAT_VERSION}")
+    expected = config.target.get("shared_tensors_sha256")
+    actual = shared_tensors_sha256(target.model.embed_tokens.weight, target.lm_head.weight)
+    if config.hidden_size != target.config.hidden_size or config.vocab_size != target.config.vocab_size:
+        raise HeadLoadError(
+            f"{config_file}: head is for hidden size {config.hidden_size} / vocab {config.vocab_size}, the target has "
+            f"{target.config.hidden_size} / {target.config.vocab_size}"
+        )
+    if expected and expected != actual:
+        raise HeadLoadError(
+            f"{config_file}: head was trained against {config.target.get('name')!r}, whose embedding/lm_head differ "
+            "from this target's"
+        )
+    head = MTPHead(config)
+    state = load_file(str(weights_file))
+    missing, unexpected = head.load_state_dict(state, strict=False)
+    if missing or unexpected:
+        raise HeadLoadError(f"{weights_file}: missing {missing[:4]}, unexpected {unexpected[:4]}")
+    dtype = dtype or next(target.parameters()).dtype
+    head = head.to(device=next(target.parameters()).device, dtype=dtype).eval().requires_grad_(False)
+    return head.attach(SharedTargetWeights(target.model.embed_tokens, target.lm_head))

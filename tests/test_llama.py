@@ -1,0 +1,314 @@
+"""Parity of infer's Llama (packed batches on the paged cache) with transformers' LlamaForCausalLM, and the loader.
+
+References are transformers' LlamaForCausalLM in fp32 with eager attention, run on each whole sequence at once.
+Logits (and hidden states) must agree to max |diff| <= 1e-4 * (max - min) of the reference.
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+import torch
+from safetensors.torch import load_file, save_file
+from transformers import GPT2Config, LlamaConfig
+from transformers import LlamaForCausalLM as HFLlama
+
+from infer.attention import TorchAttention
+from infer.kv_cache import PagePool, PageTable, build_page_metadata
+from infer.loader import ModelLoadError, load_model
+from infer.models.llama import LlamaForCausalLM
+
+REL_TOL = 1e-4
+LLAMA3_ROPE = dict(
+    rope_type="llama3", rope_theta=10000.0, factor=8.0, low_freq_factor=1.0, high_freq_factor=4.0,
+    original_max_position_embeddings=64,
+)
+
+
+def assert_close(ours: torch.Tensor, ref: torch.Tensor, tol: float = REL_TOL) -> None:
+    assert ours.shape == ref.shape, (ours.shape, ref.shape)
+    rel = ((ours.float() - ref.float()).abs().max() / (ref.max() - ref.min())).item()
+    assert rel <= tol, f"max |diff| is {rel:.2e} of the reference range (tolerance {tol:.0e})"
+
+
+@torch.no_grad()
+def reference_logits(reference: HFLlama, tokens: torch.Tensor) -> torch.Tensor:
+    return reference(tokens[None]).logits[0].float()
+
+
+@torch.no_grad()
+def run_paged(
+    model: LlamaForCausalLM, steps: list[list[torch.Tensor]], page_size: int, aux_layers: tuple[int, ...] = ()
+) -> list[list]:
+    """steps[s][b]: the tokens sequence b appends in step s; each step is ONE packed forward of all sequences.
+    Returns, per step and sequence, (logits [q_len, V], hidden [q_len, H], aux {layer: [q_len, H]})."""
+    num_seqs = len(steps[0])
+    pool = PagePool(128, page_size)
+    caches = model.allocate_kv_cache(128, page_size, torch.float32, torch.device("cpu"))
+    tables = [PageTable(pool) for _ in range(num_seqs)]
+    attn = TorchAttention()
+    results = []
+    for chunks in steps:
+        q_lens = [len(chunk) for chunk in chunks]
+        for table, q_len in zip(tables, q_lens):
+            table.extend(table.num_tokens + q_len)  # sequences grow in turn: their pages interleave
+        meta = build_page_metadata(
+            [t.pages for t in tables], q_lens, [t.num_tokens for t in tables], page_size, torch.device("cpu")
+        )
+        attn.plan(meta)
+        out = model(torch.cat(chunks), meta.positions, attn, caches, aux_layers=aux_layers)
+        logits, hidden = out.logits.split(q_lens), out.hidden_states.split(q_lens)
+        aux = {i: h.split(q_lens) for i, h in out.aux_hidden_states.items()}
+        results.append([(logits[b], hidden[b], {i: aux[i][b] for i in aux}) for b in range(num_seqs)])
+    return results
+
+
+def decode_steps(seqs: list[torch.Tensor], prompt_lens: list[int]) -> list[list[torch.Tensor]]:
+    """One prefill step of each sequence's prompt, then one token per sequence per step."""
+    steps = [[seq[:n] for seq, n in zip(seqs, prompt_lens)]]
+    for i in range(len(seqs[0]) - prompt_lens[0]):
+        steps.append([seq[n + i : n + i + 1] for seq, n in zip(seqs, prompt_lens)])
+    return steps
+
+
+def concat_logits(results: list[list], b: int) -> torch.Tensor:
+    return torch.cat([step[b][0] for step in results])
+
+
+def random_tokens(vocab: int, *lengths: int, seed: int) -> list[torch.Tensor]:
+    """BOS (1) then random ids."""
+    gen = torch.Generator().manual_seed(seed)
+    return [torch.cat((torch.tensor([1]), torch.randint(3, vocab, (n - 1,), generator=gen))) for n in lengths]
+
+
+# --- stories260K ------------------------------------------------------------------------------------------------
+
+
+def test_stories_packed_prefill_matches_transformers(stories_model, stories_reference):
+    """Three sequences of different lengths, prefilled together in ONE forward."""
+    prompts = random_tokens(512, 3, 29, 130, seed=0)
+    (step,) = run_paged(stories_model, [prompts], page_size=16)
+    for tokens, (logits, _, _) in zip(prompts, step):
+        assert_close(logits, reference_logits(stories_reference, tokens))
+
+
+def test_stories_batched_decode_matches_transformers(stories_model, stories_reference):
+    """Prompts of 5, 2 and 9 tokens, then 20 single-token steps of all three together; pages of 4 are crossed."""
+    prompt_lens = [5, 2, 9]
+    seqs = random_tokens(512, *(n + 20 for n in prompt_lens), seed=1)
+    results = run_paged(stories_model, decode_steps(seqs, prompt_lens), page_size=4)
+    assert len(results) == 21
+    for b, tokens in enumerate(seqs):
+        assert_close(concat_logits(results, b), reference_logits(stories_reference, tokens))
+
+
+def test_stories_chunked_prefill_equals_one_shot(stories_model, stories_reference):
+    """A 33-token prompt in chunks of 7 (7, 7, 7, 7, 5), next to a sequence prefilled in one go."""
+    tokens, other = random_tokens(512, 33, 11, seed=2)
+    chunks = list(tokens.split(7))
+    steps = [[chunks[0], other]] + [[chunk, other[:0]] for chunk in chunks[1:]]
+    chunked = run_paged(stories_model, [[c] for c in chunks], page_size=4)
+    mixed = run_paged(stories_model, [[chunks[0], other]], page_size=4)  # chunk 1 shares a batch with a prefill
+    (one_shot,) = run_paged(stories_model, [[tokens]], page_size=4)
+    chunked_logits = concat_logits(chunked, 0)
+    assert_close(chunked_logits, one_shot[0][0])
+    assert_close(mixed[0][0][0], one_shot[0][0][:7])
+    assert_close(chunked_logits, reference_logits(stories_reference, tokens))
+    assert len(steps) == 5
+
+
+@torch.no_grad()
+def test_stories_hidden_states_and_aux_layers(stories_model, stories_reference):
+    """hidden_states is the last decoder layer's output before the final norm; aux_layers (1, 3) are layers 1 and
+    3's outputs, transformers' hidden_states[2] and [4] (its last entry, [5], is after the final norm)."""
+    (tokens,) = random_tokens(512, 40, seed=3)
+    ((logits, hidden, aux),) = run_paged(stories_model, [[tokens]], page_size=4, aux_layers=(1, 3))[0]
+    captured = {}
+    hook = stories_reference.model.layers[-1].register_forward_hook(
+        lambda module, args, output: captured.setdefault("last", output[0] if isinstance(output, tuple) else output)
+    )
+    try:
+        ref = stories_reference(tokens[None], output_hidden_states=True)
+    finally:
+        hook.remove()
+    ref_states = [h[0] for h in ref.hidden_states]
+    assert len(ref_states) == 6 and sorted(aux) == [1, 3]
+    assert_close(aux[1], ref_states[2])
+    assert_close(aux[3], ref_states[4])
+    assert_close(hidden, captured["last"][0])  # pre-norm output of the last layer
+    assert_close(stories_model.model.norm(hidden), ref_states[5])
+    assert_close(stories_model.compute_logits(hidden), ref.logits[0])
+    assert_close(stories_model.compute_logits(hidden, torch.tensor([0, 39])), ref.logits[0, [0, 39]])
+    assert_close(logits, ref.logits[0])
+
+
+def test_stories_cache_layout(stories_model):
+    caches = stories_model.allocate_kv_cache(3, 4, torch.float32, torch.device("cpu"))
+    assert len(caches) == 5 and caches[0].shape == (3, 2, 4, 4, 8)  # [pages, K/V, page_size, kv_heads, head_dim]
+    assert stories_model.kv_bytes_per_token(torch.float32) == 2 * 4 * 8 * 4 * 5
+    assert stories_model.lm_head.weight is stories_model.model.embed_tokens.weight  # tied
+
+
+# --- a tiny random Llama 3: llama3 rope scaling, GQA, biases, untied embeddings ----------------------------------
+
+
+def tiny_llama3_config(**overrides) -> LlamaConfig:
+    fields = dict(
+        vocab_size=128, hidden_size=64, intermediate_size=96, num_hidden_layers=2, num_attention_heads=4,
+        num_key_value_heads=2, head_dim=16, max_position_embeddings=256, attention_bias=True, mlp_bias=True,
+        tie_word_embeddings=False, rope_parameters=dict(LLAMA3_ROPE), rms_norm_eps=1e-5, initializer_range=0.1,
+        attn_implementation="eager",
+    )
+    fields.update(overrides)
+    return LlamaConfig(**fields)
+
+
+@pytest.fixture(scope="module")
+def llama3(tmp_path_factory) -> tuple[HFLlama, Path]:
+    """The transformers reference (random weights, biases randomised too) and its save_pretrained folder."""
+    torch.manual_seed(0)
+    reference = HFLlama(tiny_llama3_config()).eval()
+    with torch.no_grad():
+        for name, param in reference.named_parameters():
+            if name.endswith("bias") or "norm" in name:  # transformers initialises these to 0 / 1
+                param.add_(torch.randn_like(param) * 0.1)
+    folder = tmp_path_factory.mktemp("llama3")
+    reference.save_pretrained(folder, safe_serialization=True)
+    return reference, folder
+
+
+def test_llama3_rope_scaling_biases_untied_match_transformers(llama3):
+    """Positions up to 204: a 200-token prefill packed with a 6-token one, then 5 decode steps of both."""
+    reference, folder = llama3
+    model = load_model(folder)
+    assert model.lm_head.weight is not model.model.embed_tokens.weight
+    assert model.model.layers[0].self_attn.qkv_proj.bias is not None and model.model.layers[0].mlp.down_proj.bias is not None
+    torch.testing.assert_close(model.model.rotary_emb.inv_freq, reference.model.rotary_emb.inv_freq, rtol=0, atol=0)
+    seqs = random_tokens(128, 205, 11, seed=4)
+    results = run_paged(model, decode_steps(seqs, [200, 6]), page_size=16)
+    for b, tokens in enumerate(seqs):
+        assert_close(concat_logits(results, b), reference_logits(reference, tokens))
+
+
+def test_llama3_scaling_is_not_a_no_op(llama3):
+    """The test above would pass vacuously if llama3 scaling changed nothing at these positions."""
+    reference, _ = llama3
+    plain = HFLlama(tiny_llama3_config(rope_parameters=dict(rope_type="default", rope_theta=10000.0))).eval()
+    plain.load_state_dict(reference.state_dict())
+    (tokens,) = random_tokens(128, 200, seed=5)
+    diff = (reference_logits(plain, tokens) - reference_logits(reference, tokens)).abs().max()
+    assert diff > 1e-2
+
+
+def test_llama3_legacy_rope_scaling_key_loads(llama3, tmp_path):
+    """Llama-3.x checkpoints on the hub write rope_theta + rope_scaling in config.json, not rope_parameters."""
+    reference, folder = llama3
+    config = json.loads((folder / "config.json").read_text())
+    params = config.pop("rope_parameters")
+    config["rope_theta"] = params.pop("rope_theta")
+    config["rope_scaling"] = params
+    (tmp_path / "config.json").write_text(json.dumps(config))
+    for shard in folder.glob("*.safetensors"):
+        (tmp_path / shard.name).write_bytes(shard.read_bytes())
+    model = load_model(tmp_path)
+    (tokens,) = random_tokens(128, 180, seed=6)
+    ((logits, _, _),) = run_paged(model, [[tokens]], page_size=16)[0]
+    assert_close(logits, reference_logits(reference, tokens))
+
+
+def test_sharded_checkpoint_loads_and_matches(llama3, tmp_path):
+    """save_pretrained with a small max_shard_size writes model.safetensors.index.json and many shards (q, k and v
+    of one layer can land in different files and still fill one fused parameter)."""
+    reference, folder = llama3
+    reference.save_pretrained(tmp_path, safe_serialization=True, max_shard_size="40KB")
+    assert (tmp_path / "model.safetensors.index.json").is_file()
+    assert len(list(tmp_path.glob("*.safetensors"))) > 2
+    sharded, single = load_model(tmp_path), load_model(folder)
+    single_params = dict(single.named_parameters())
+    for name, param in sharded.named_parameters():
+        assert torch.equal(param, single_params[name]), name
+    seqs = random_tokens(128, 23, 9, seed=7)
+    (step,) = run_paged(sharded, [seqs], page_size=4)
+    for tokens, (logits, _, _) in zip(seqs, step):
+        assert_close(logits, reference_logits(reference, tokens))
+
+
+# --- loader errors ----------------------------------------------------------------------------------------------
+
+
+@pytest.fixture
+def stories_copy(stories_hf_dir, tmp_path) -> Path:
+    """A writable copy of the stories260K folder's config and weights."""
+    for name in ("config.json", "model.safetensors"):
+        (tmp_path / name).write_bytes((stories_hf_dir / name).read_bytes())
+    return tmp_path
+
+
+def test_missing_folder(tmp_path):
+    missing = tmp_path / "no_such_model"
+    with pytest.raises(ModelLoadError, match="no_such_model"):
+        load_model(missing)
+
+
+def test_folder_without_config(stories_copy):
+    (stories_copy / "config.json").unlink()
+    with pytest.raises(ModelLoadError, match="config.json"):
+        load_model(stories_copy)
+
+
+def test_unsupported_model_type(tmp_path):
+    GPT2Config(n_layer=1, n_embd=32, n_head=2).save_pretrained(tmp_path)
+    with pytest.raises(ModelLoadError, match="gpt2") as info:
+        load_model(tmp_path)
+    assert "config.json" in str(info.value) and "llama" in str(info.value)  # names the file and what is supported
+
+
+def test_refuses_pickled_weights(stories_copy, monkeypatch):
+    """Only pytorch_model.bin present: refuse, and never unpickle (torch.load must not even be called)."""
+    state = load_file(stories_copy / "model.safetensors")
+    torch.save(state, stories_copy / "pytorch_model.bin")
+    (stories_copy / "model.safetensors").unlink()
+
+    def forbidden(*args, **kwargs):
+        raise AssertionError("the loader unpickled a checkpoint")
+
+    monkeypatch.setattr(torch, "load", forbidden)
+    with pytest.raises(ModelLoadError, match="pytorch_model.bin"):
+        load_model(stories_copy)
+
+
+@pytest.mark.parametrize("keep", ["header_length", "half_header", "half_data"])
+def test_truncated_safetensors(stories_copy, keep):
+    file = stories_copy / "model.safetensors"
+    data = file.read_bytes()
+    header_len = int.from_bytes(data[:8], "little")
+    cut = {"header_length": 5, "half_header": 8 + header_len // 2, "half_data": (8 + header_len + len(data)) // 2}[keep]
+    file.write_bytes(data[:cut])
+    with pytest.raises(ModelLoadError, match="model.safetensors"):
+        load_model(stories_copy)
+
+
+@pytest.mark.parametrize(
+    "key, shape",
+    [
+        ("model.embed_tokens.weight", (512, 60)),  # wrong hidden size
+        ("model.norm.weight", (32,)),  # too short
+        ("model.layers.2.mlp.down_proj.weight", (64, 170)),
+        ("model.layers.0.self_attn.q_proj.weight", (72, 64)),  # too many rows for its slice of the fused qkv_proj
+        ("model.layers.1.self_attn.k_proj.weight", (24, 64)),  # too few rows
+        ("model.layers.3.mlp.up_proj.weight", (180, 64)),
+    ],
+)
+def test_wrong_tensor_shape(stories_copy, key, shape):
+    """The error names the file and the checkpoint's own key (what the user can look up), never loads silently."""
+    file = stories_copy / "model.safetensors"
+    state = load_file(file)
+    assert key in state and state[key].shape != shape
+    state[key] = torch.randn(shape)
+    save_file(state, str(file))
+    with pytest.raises(ModelLoadError) as info:
+        load_model(stories_copy)
+    message = str(info.value)
+    assert key in message and "model.safetensors" in message, message
