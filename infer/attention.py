@@ -240,3 +240,30 @@ def resolve_backend_name(name: str, device: torch.device) -> str:
     if name not in ("torch", "flashinfer"):
         raise ValueError(f"unknown attention backend {name!r}: choose auto, torch or flashinfer")
     return name
+
+
+class PackedCausalAttention:
+    """Causal attention inside each of several packed sequences, with no KV cache.
+
+    For training a head on whole sequences (gradients flow; nothing is cached): the same layer code as
+    serving, so a trained head computes in `infer/` exactly the function it was trained as. Each sequence
+    gets its own SDPA call with is_causal, which lets GPUs use flash kernels and never builds a [T, T] mask.
+    """
+
+    def __init__(self, seq_lens: list[int]) -> None:
+        self.seq_lens = seq_lens
+
+    def plan(self, meta: PageMetadata) -> None:
+        raise TypeError("PackedCausalAttention has no paged plan; build it with the batch's sequence lengths")
+
+    def attend(
+        self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, kv_cache: torch.Tensor | None, scale: float
+    ) -> torch.Tensor:
+        outs = []
+        for q_seq, k_seq, v_seq in zip(q.split(self.seq_lens), k.split(self.seq_lens), v.split(self.seq_lens)):
+            out = F.scaled_dot_product_attention(
+                q_seq.transpose(0, 1), k_seq.transpose(0, 1), v_seq.transpose(0, 1),
+                is_causal=True, scale=scale, enable_gqa=True,
+            )
+            outs.append(out.transpose(0, 1))
+        return torch.cat(outs)

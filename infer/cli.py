@@ -6,10 +6,12 @@ import argparse
 import os
 import sys
 from collections.abc import Callable
+from pathlib import Path
 
 import torch
 
 from infer.loader import ModelLoadError
+from infer.models.mtp_head import HeadLoadError
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
@@ -30,6 +32,26 @@ def add_engine_args(parser: argparse.ArgumentParser) -> None:
                        help="auto: FlashInfer on CUDA when installed, torch otherwise")
 
 
+def add_spec_args(parser: argparse.ArgumentParser) -> None:
+    group = parser.add_argument_group("speculative decoding")
+    group.add_argument("--spec", choices=["none", "draft", "mtp"], default="none",
+                       help="draft: a smaller LM folder proposes; mtp: an MTP head folder proposes (default none)")
+    group.add_argument("--draft", type=Path, help="the draft LM folder (--spec draft) or head folder (--spec mtp)")
+    group.add_argument("--num-draft-tokens", type=int, default=4, help="K, tokens proposed per step (default 4)")
+
+
+def attach_spec(engine, args: argparse.Namespace) -> None:
+    """Attach the drafter the flags ask for; flag mistakes become one-line errors."""
+    if args.spec == "none":
+        return
+    if args.draft is None:
+        raise CliError(f"--spec {args.spec} needs --draft DIR")
+    if not 1 <= args.num_draft_tokens <= 16:
+        raise CliError(f"--num-draft-tokens must be in 1..16, got {args.num_draft_tokens}")
+    engine.num_draft_tokens = args.num_draft_tokens
+    engine.load_drafter(args.spec, args.draft)
+
+
 def engine_kwargs(args: argparse.Namespace, max_num_seqs: int) -> dict:
     for flag in ("page_size", "num_pages", "max_num_batched_tokens"):
         value = getattr(args, flag)
@@ -45,7 +67,7 @@ def run_cli(main: Callable[[], int]) -> int:
     """Run main; a user's mistake prints one line on stderr and exits 2 (INFER_DEBUG=1 shows the traceback)."""
     try:
         return main()
-    except (CliError, ModelLoadError, ValueError, FileNotFoundError) as err:
+    except (CliError, ModelLoadError, HeadLoadError, ValueError, FileNotFoundError) as err:
         if os.environ.get("INFER_DEBUG"):
             raise
         print(f"error: {err}", file=sys.stderr)

@@ -20,6 +20,7 @@ from transformers import AutoTokenizer, GenerationConfig, PreTrainedTokenizerBas
 from infer.kv_cache import OutOfPages, PagePool, PageTable, build_page_metadata, pages_needed
 from infer.loader import load_model
 from infer.model_runner import ModelRunner
+from infer.models.mtp_head import load_head
 from infer.sampler import SamplingTensors, make_generator, sample
 from infer.sampling_params import SamplingParams
 from infer.speculative import Drafter, DraftModel, MTPDrafter, SpecStats, speculative_step
@@ -38,6 +39,7 @@ class Request:
     num_computed: int = 0  # tokens whose KV is in the cache
     finish_reason: str | None = None  # "stop" (EOS id or stop string) or "length"
     text: str = ""
+    prompt_text_decoded: str | None = None  # the prompt as the tokenizer decodes it, to cut from the full text
     num_preemptions: int = 0
     draft_computed: int = 0  # positions the drafter's cache holds (speculative decoding)
     draft_carry: tuple | None = None  # the drafter's (logits, hidden) at its last position
@@ -103,6 +105,15 @@ class Engine:
         self.drafter: Drafter | None = None
         self.num_draft_tokens = cfg.num_draft_tokens
         self.spec_stats: SpecStats | None = None
+
+    def load_drafter(self, kind: str, path: str | Path) -> None:
+        """Attach a draft LM folder (kind "draft") or an MTP head folder (kind "mtp") from disk."""
+        if kind == "draft":
+            param = next(self.model.parameters())
+            model = load_model(path, dtype=param.dtype, device=param.device)
+        else:
+            model = load_head(path, self.model)
+        self.attach_drafter(kind, model)
 
     def attach_drafter(self, kind: str, model: torch.nn.Module) -> None:
         """Speculate with a draft LM (kind "draft") or an MTP head (kind "mtp") on the engine's own pages."""
@@ -302,11 +313,20 @@ class Engine:
         request.finish_time = time.perf_counter()
         request.page_table.free()
         if self.tokenizer is not None and not request.text:
-            request.text = self.tokenizer.decode(request.output_ids, skip_special_tokens=True)
+            request.text = self._output_text(request)
         return True
 
+    def _output_text(self, request: Request) -> str:
+        """The generated text as it reads after the prompt (decoded together: a leading space survives)."""
+        decode = self.tokenizer.decode
+        if request.prompt_text_decoded is None:
+            request.prompt_text_decoded = decode(request.prompt_ids, skip_special_tokens=True)
+        full = decode(request.prompt_ids + request.output_ids, skip_special_tokens=True)
+        prefix = request.prompt_text_decoded
+        return full[len(prefix):] if full.startswith(prefix) else decode(request.output_ids, skip_special_tokens=True)
+
     def _hit_stop_string(self, request: Request) -> bool:
-        text = self.tokenizer.decode(request.output_ids, skip_special_tokens=True) if self.tokenizer else ""
+        text = self._output_text(request) if self.tokenizer else ""
         hits = [i for i in (text.find(s) for s in request.params.stop) if i >= 0]
         if hits:
             request.text = text[: min(hits)]

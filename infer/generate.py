@@ -10,13 +10,14 @@ question files work as they are: the first turn is used).
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import sys
 from pathlib import Path
 
 import torch
 
-from infer.cli import DTYPES, CliError, add_engine_args, engine_kwargs, run_cli
+from infer.cli import DTYPES, CliError, add_engine_args, add_spec_args, attach_spec, engine_kwargs, run_cli
 from infer.engine import Engine
 from infer.sampling_params import SamplingParams
 
@@ -61,11 +62,13 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--temperature", type=float, default=0.0, help="0 = greedy (default)")
     parser.add_argument("--top-p", type=float, default=1.0, help="nucleus sampling mass (default 1 = off)")
     parser.add_argument("--top-k", type=int, default=0, help="keep the k most likely tokens (default 0 = off)")
-    parser.add_argument("--seed", type=int, default=None, help="per-request seed: same seed, same tokens")
+    parser.add_argument("--seed", type=int, default=None,
+                        help="prompt i samples with seed SEED + i, so a run reproduces exactly")
     parser.add_argument("--stop", action="append", default=[], help="stop string; repeat for several")
     parser.add_argument("--batch-size", type=int, default=64, help="most requests decoded together (default 64)")
     parser.add_argument("--json", action="store_true", help="one JSON object per prompt on stdout")
     add_engine_args(parser)
+    add_spec_args(parser)
     return parser
 
 
@@ -80,10 +83,12 @@ def main(argv: list[str] | None = None) -> int:
     )
     engine = Engine.from_pretrained(args.model, dtype=DTYPES[args.dtype], device=args.device,
                                     **engine_kwargs(args, max_num_seqs=args.batch_size))
+    attach_spec(engine, args)
     params.validate(engine.model.config.vocab_size)
     for i, prompt in enumerate(prompts):
-        try:
-            engine.add_request(prompt, params)
+        try:  # prompt i samples with seed S + i: reproducible, yet each prompt draws its own tokens
+            seed = None if args.seed is None else args.seed + i
+            engine.add_request(prompt, dataclasses.replace(params, seed=seed))
         except ValueError as err:
             raise CliError(f"prompt {i + 1}: {err}") from err
     with torch.inference_mode():
@@ -92,13 +97,18 @@ def main(argv: list[str] | None = None) -> int:
             engine.step()
     for request in requests:
         if args.json:
-            print(json.dumps({
+            record = {
                 "prompt": request.prompt, "text": request.text, "token_ids": request.output_ids,
                 "num_new_tokens": len(request.output_ids), "finish_reason": request.finish_reason,
                 "elapsed_s": round(request.elapsed_s, 4),
-            }))
+            }
+            if request.spec_stats is not None:
+                record["spec"] = request.spec_stats.to_dict()
+            print(json.dumps(record))
         else:
             print(f"{request.prompt}{request.text}\n", file=sys.stdout)
+    if engine.spec_stats is not None and not args.json:
+        print(f"speculation: {json.dumps(engine.spec_stats.to_dict())}", file=sys.stderr)
     return 0
 
 

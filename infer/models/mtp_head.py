@@ -7,6 +7,8 @@ output before the final norm) and predicts t_{i+2}:
     h'_i = decoder_layer(x_i)                                  # one layer of the target's kind, own KV cache
     p    = softmax(lm_head(final_norm(h'_i)))
 
+The decoder layer is a Llama layer, or for a DeepSeek-V2 target (`decoder_type="deepseek_v2"`) an MLA layer
+with a dense MLP (its cache holds the compressed latent and the rope key, as the target's does).
 Emb and lm_head are the target's own tensors, used in place (never copied, never saved with the head).
 h'_i stands in for the target's h_{i+1} when the head drafts a second token. Each norm can be switched off
 (EAGLE-1 has none and adds a bias to the projection) so their effect can be measured.
@@ -28,10 +30,11 @@ from pathlib import Path
 import torch
 from safetensors.torch import load_file, save_file
 from torch import nn
-from transformers import LlamaConfig
+from transformers import DeepseekV2Config, LlamaConfig, PretrainedConfig
 
 from infer.attention import AttentionBackend
 from infer.models.common import ModelOutput, RMSNorm, RotaryEmbedding, half_split_cos_sin
+from infer.models.deepseek_v2 import DeepseekV2DecoderLayer
 from infer.models.llama import LlamaDecoderLayer
 
 HEAD_FORMAT_VERSION = 1
@@ -54,9 +57,15 @@ class MTPHeadConfig:
     architecture: str = "mtp"  # "mtp" (norms on) or "eagle1" (no norms, biased projection)
     target: dict = field(default_factory=dict)  # {"name", "hidden_size", "vocab_size", "shared_tensors_sha256"}
     format_version: int = HEAD_FORMAT_VERSION
+    decoder_type: str = "llama"  # "llama" or "deepseek_v2" (MLA attention, dense MLP)
 
-    def decoder_config(self) -> LlamaConfig:
-        return LlamaConfig(**self.decoder)
+    def decoder_config(self) -> PretrainedConfig:
+        if self.decoder_type == "llama":
+            return LlamaConfig(**self.decoder)
+        if self.decoder_type == "deepseek_v2":
+            # built as layer 0 before the first MoE layer: a dense MLP of `intermediate_size` (the dense-layer width)
+            return DeepseekV2Config(**{**self.decoder, "first_k_dense_replace": 1})
+        raise HeadLoadError(f"unknown decoder_type {self.decoder_type!r}: expected 'llama' or 'deepseek_v2'")
 
 
 @dataclass
@@ -76,10 +85,15 @@ class MTPHead(nn.Module):
         self.hnorm = RMSNorm(hidden, eps) if config.hnorm else nn.Identity()
         self.eh_proj = nn.Linear(2 * hidden, hidden, bias=config.proj_bias)
         decoder_config = config.decoder_config()
-        self.layer = LlamaDecoderLayer(decoder_config)
+        self.mla = config.decoder_type == "deepseek_v2"
+        if self.mla:
+            self.layer = DeepseekV2DecoderLayer(decoder_config, layer_idx=0)
+            rope_dim = decoder_config.qk_rope_head_dim
+        else:
+            self.layer = LlamaDecoderLayer(decoder_config)
+            rope_dim = decoder_config.head_dim or decoder_config.hidden_size // decoder_config.num_attention_heads
         self.final_norm = RMSNorm(hidden, eps) if config.final_norm else nn.Identity()
-        head_dim = decoder_config.head_dim or decoder_config.hidden_size // decoder_config.num_attention_heads
-        self.rotary_emb = RotaryEmbedding(decoder_config, head_dim)
+        self.rotary_emb = RotaryEmbedding(decoder_config, rope_dim)
         self.shared: SharedTargetWeights | None = None
 
     def attach(self, shared: SharedTargetWeights) -> "MTPHead":
@@ -106,7 +120,9 @@ class MTPHead(nn.Module):
         assert hidden_states is not None, "the head needs the target's hidden states"
         emb = self.enorm(self.shared.embed_tokens(input_ids))
         x = self.eh_proj(torch.cat((emb, self.hnorm(hidden_states.to(emb.dtype))), dim=-1))
-        cos, sin = half_split_cos_sin(*self.rotary_emb(positions))
+        cos, sin = self.rotary_emb(positions)
+        if not self.mla:  # Llama rotates half-split pairs, DeepSeek interleaved ones
+            cos, sin = half_split_cos_sin(cos, sin)
         x = self.layer(x, cos, sin, attn, kv_caches[0])
         return ModelOutput(self.compute_logits(x, logits_indices), x)
 
@@ -115,17 +131,26 @@ class MTPHead(nn.Module):
             hidden_states = hidden_states[indices]
         return self.shared.lm_head(self.final_norm(hidden_states)).float()
 
-    # --- KV cache: one Llama layer ---------------------------------------------------------------
+    # --- KV cache: one layer (Llama: K/V pages; DeepSeek-V2: latent and rope-key pages) ----------
     def allocate_kv_cache(self, num_pages: int, page_size: int, dtype: torch.dtype, device: torch.device) -> list:
         attn = self.layer.self_attn
+        if self.mla:
+            return [(torch.zeros((num_pages, page_size, attn.kv_lora_rank), dtype=dtype, device=device),
+                     torch.zeros((num_pages, page_size, attn.qk_rope_head_dim), dtype=dtype, device=device))]
         return [torch.zeros((num_pages, 2, page_size, attn.num_kv_heads, attn.head_dim), dtype=dtype, device=device)]
 
     def kv_bytes_per_token(self, dtype: torch.dtype) -> int:
         attn = self.layer.self_attn
-        return 2 * attn.num_kv_heads * attn.head_dim * torch.tensor([], dtype=dtype).element_size()
+        elem = torch.tensor([], dtype=dtype).element_size()
+        if self.mla:
+            return (attn.kv_lora_rank + attn.qk_rope_head_dim) * elem
+        return 2 * attn.num_kv_heads * attn.head_dim * elem
 
     def attention_dims(self) -> dict:
         attn = self.layer.self_attn
+        if self.mla:
+            rank, rope_dim = attn.kv_lora_rank, attn.qk_rope_head_dim
+            return dict(num_heads=attn.num_heads, num_kv_heads=1, head_dim=rank + rope_dim, mla_dims=(rank, rope_dim))
         return dict(num_heads=attn.num_heads, num_kv_heads=attn.num_kv_heads, head_dim=attn.head_dim, mla_dims=None)
 
 

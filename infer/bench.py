@@ -1,0 +1,211 @@
+"""Decode speed of the runtime against transformers, and of speculative decoding against plain decoding.
+
+    python -m infer.bench --model DIR --batch-sizes 1,8,32 --max-new-tokens 128
+    python -m infer.bench --model DIR --spec mtp --draft HEAD_DIR --num-draft-tokens 1,2,3,4 --temperatures 0,1
+
+Every figure is measured in the same run as its baseline (these machines are shared and noisy) and
+reported as a ratio. Without --spec: tokens/s of this runtime and of transformers' `generate` on the same
+prompts (greedy, fixed output length). With --spec: tokens/s with and without speculation, the speedup,
+tau (tokens per target step), and the ideal speedup predicted from the measured acceptance and the
+measured cost of a draft forward and a verify forward:
+
+    ideal = tau * t(decode step) / (K * t(draft forward) + t(verify forward over K+1 tokens))
+
+so that achieved / ideal is the share of the ideal the runtime's machinery keeps.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+import time
+from pathlib import Path
+
+import torch
+
+from infer.cli import DTYPES, CliError, add_engine_args, engine_kwargs, run_cli
+from infer.engine import Engine
+from infer.generate import read_prompt_file
+from infer.kv_cache import PageTable, build_page_metadata
+from infer.sampling_params import SamplingParams
+from infer.speculative import SpecStats
+
+DEFAULT_PROMPTS = [
+    "Once upon a time", "One day, a little girl named Lily", "Tom and his dog", "The sun was shining and",
+    "There was a big tree in the park", "Sam wanted to play with", "A little bird", "Mom said to Ben",
+]
+
+
+def parse_ints(text: str, flag: str) -> list[int]:
+    try:
+        values = [int(v) for v in text.split(",") if v.strip()]
+    except ValueError as err:
+        raise CliError(f"{flag} takes comma-separated integers, got {text!r}") from err
+    if not values or min(values) < 1:
+        raise CliError(f"{flag} values must be >= 1, got {text!r}")
+    return values
+
+
+def parse_floats(text: str, flag: str) -> list[float]:
+    try:
+        return [float(v) for v in text.split(",") if v.strip()]
+    except ValueError as err:
+        raise CliError(f"{flag} takes comma-separated numbers, got {text!r}") from err
+
+
+def best_of(repeats: int, run) -> tuple[float, int]:
+    """The fastest of `repeats` runs: noise on a shared machine only ever adds time."""
+    return min((run() for _ in range(repeats)), key=lambda result: result[0])
+
+
+def run_engine(engine: Engine, prompts: list[str], params: SamplingParams) -> tuple[float, int]:
+    """(seconds, generated tokens) for one batch run to completion."""
+    start = time.perf_counter()
+    requests = engine.generate(prompts, params)
+    return time.perf_counter() - start, sum(len(r.output_ids) for r in requests)
+
+
+def run_transformers(model, tokenizer, prompts: list[str], new_tokens: int) -> tuple[float, int]:
+    """transformers' generate on a left-padded batch, forced to exactly new_tokens tokens."""
+    tokenizer.padding_side = "left"
+    if tokenizer.pad_token is None:
+        tokenizer.pad_token = tokenizer.unk_token or tokenizer.eos_token
+    batch = tokenizer(prompts, return_tensors="pt", padding=True)
+    start = time.perf_counter()
+    with torch.inference_mode():
+        out = model.generate(**batch, max_new_tokens=new_tokens, min_new_tokens=new_tokens, do_sample=False,
+                             pad_token_id=tokenizer.pad_token_id)
+    return time.perf_counter() - start, (out.shape[1] - batch["input_ids"].shape[1]) * len(prompts)
+
+
+def bench_vs_transformers(args, prompts: list[str]) -> list[dict]:
+    from transformers import AutoModelForCausalLM, AutoTokenizer  # noqa: PLC0415 - the baseline only
+
+    hf_model = AutoModelForCausalLM.from_pretrained(args.model, dtype=DTYPES[args.dtype]).to(args.device).eval()
+    tokenizer = AutoTokenizer.from_pretrained(args.model)
+    params = SamplingParams(max_new_tokens=args.max_new_tokens, ignore_eos=True)
+    rows = []
+    for batch_size in args.batch_sizes:
+        batch = [prompts[i % len(prompts)] for i in range(batch_size)]
+        engine = make_engine(args, batch_size)
+        run_engine(engine, batch[:1], SamplingParams(max_new_tokens=4, ignore_eos=True))  # warm-up
+        run_transformers(hf_model, tokenizer, batch[:1], 4)
+        ours_s, ours_tokens = best_of(args.repeats, lambda: run_engine(engine, batch, params))
+        hf_s, hf_tokens = best_of(args.repeats, lambda: run_transformers(hf_model, tokenizer, batch, args.max_new_tokens))
+        ours, theirs = ours_tokens / ours_s, hf_tokens / hf_s
+        rows.append({"batch_size": batch_size, "runtime_tok_s": round(ours, 1), "transformers_tok_s": round(theirs, 1),
+                     "ratio": round(ours / theirs, 2)})
+    return rows
+
+
+def make_engine(args, max_num_seqs: int) -> Engine:
+    return Engine.from_pretrained(args.model, dtype=DTYPES[args.dtype], device=args.device,
+                                  **engine_kwargs(args, max_num_seqs=max_num_seqs))
+
+
+def forward_cost(runner, engine: Engine, batch_size: int, q_len: int, context: int, repeats: int = 20,
+                 **model_inputs) -> float:
+    """Seconds for one forward of `runner` over batch_size sequences of q_len new tokens after `context` cached."""
+    tables = [PageTable(engine.pool) for _ in range(batch_size)]
+    try:
+        for table in tables:
+            table.extend(context + q_len)
+        meta = build_page_metadata([t.pages for t in tables], [q_len] * batch_size, [context + q_len] * batch_size,
+                                   engine.config.page_size, engine.device)
+        ids = torch.ones(batch_size * q_len, dtype=torch.long, device=engine.device)
+        rows = torch.arange(batch_size * q_len, device=engine.device)
+        if "hidden_states" in model_inputs:
+            model_inputs = {"hidden_states": model_inputs["hidden_states"].expand(batch_size * q_len, -1)}
+        runner.run(ids, meta, rows, **model_inputs)
+        start = time.perf_counter()
+        for _ in range(repeats):
+            runner.run(ids, meta, rows, **model_inputs)
+        return (time.perf_counter() - start) / repeats
+    finally:
+        for table in tables:
+            table.free()
+
+
+def bench_spec(args, prompts: list[str]) -> list[dict]:
+    rows = []
+    for temperature in args.temperatures:
+        for batch_size in args.batch_sizes:
+            batch = [prompts[i % len(prompts)] for i in range(batch_size)]
+            params = SamplingParams(max_new_tokens=args.max_new_tokens, ignore_eos=True, temperature=temperature)
+            plain = make_engine(args, batch_size)
+            run_engine(plain, batch[:1], SamplingParams(max_new_tokens=4, ignore_eos=True))
+            plain_s, plain_tokens = best_of(args.repeats, lambda: run_engine(plain, batch, params))
+            context = 32
+            hidden_size = plain.model.config.hidden_size
+            t_decode = forward_cost(plain.runner, plain, batch_size, 1, context)
+            for k in args.num_draft_tokens:
+                spec = make_engine(args, batch_size)
+                spec.num_draft_tokens = k
+                spec.load_drafter(args.spec, args.draft)
+                run_engine(spec, batch[:1], SamplingParams(max_new_tokens=4, ignore_eos=True))
+                spec.spec_stats = SpecStats(k)  # count the timed runs only
+                spec_s, spec_tokens = best_of(args.repeats, lambda: run_engine(spec, batch, params))
+                extra = {"hidden_states": torch.zeros(1, hidden_size, device=spec.device,
+                                                      dtype=spec.drafter.runner.dtype)} if args.spec == "mtp" else {}
+                t_draft = forward_cost(spec.drafter.runner, spec, batch_size, 1, context, **extra)
+                t_verify = forward_cost(spec.runner, spec, batch_size, k + 1, context)
+                stats = spec.spec_stats.to_dict()
+                speedup = (spec_tokens / spec_s) / (plain_tokens / plain_s)
+                ideal = stats["tau"] * t_decode / (k * t_draft + t_verify)
+                rows.append({
+                    "temperature": temperature, "batch_size": batch_size, "k": k,
+                    "plain_tok_s": round(plain_tokens / plain_s, 1), "spec_tok_s": round(spec_tokens / spec_s, 1),
+                    "speedup": round(speedup, 3), "tau": stats["tau"],
+                    "acceptance_per_position": stats["acceptance_per_position"],
+                    "ideal_speedup": round(ideal, 3), "achieved_over_ideal": round(speedup / ideal, 3),
+                    "t_decode_ms": round(t_decode * 1e3, 3), "t_draft_ms": round(t_draft * 1e3, 3),
+                    "t_verify_ms": round(t_verify * 1e3, 3),
+                })
+    return rows
+
+
+def print_table(rows: list[dict]) -> None:
+    keys = [k for k in rows[0] if k != "acceptance_per_position"]
+    widths = [max(len(k), *(len(str(r[k])) for r in rows)) for k in keys]
+    print("  ".join(k.rjust(w) for k, w in zip(keys, widths)))
+    for row in rows:
+        print("  ".join(str(row[k]).rjust(w) for k, w in zip(keys, widths)))
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="python -m infer.bench", description=__doc__,
+                                     formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--model", required=True, type=Path, help="Hugging Face model folder")
+    parser.add_argument("--batch-sizes", default="1,8,32", help="comma-separated batch sizes (default 1,8,32)")
+    parser.add_argument("--prompts", type=Path, help="JSONL prompts (default: built-in story openings)")
+    parser.add_argument("--max-new-tokens", type=int, default=128, help="tokens generated per request (default 128)")
+    parser.add_argument("--repeats", type=int, default=3, help="runs per measurement, the fastest counts (default 3)")
+    parser.add_argument("--json", action="store_true", help="print only the JSON result")
+    parser.add_argument("--spec", choices=["none", "draft", "mtp"], default="none",
+                        help="benchmark speculative decoding with this drafter instead of comparing to transformers")
+    parser.add_argument("--draft", type=Path, help="draft LM folder (--spec draft) or MTP head folder (--spec mtp)")
+    parser.add_argument("--num-draft-tokens", default="1,2,3,4", help="comma-separated K values (default 1,2,3,4)")
+    parser.add_argument("--temperatures", default="0", help="comma-separated temperatures for --spec (default 0)")
+    add_engine_args(parser)
+    args = parser.parse_args(argv)
+    args.batch_sizes = parse_ints(args.batch_sizes, "--batch-sizes")
+    args.num_draft_tokens = parse_ints(args.num_draft_tokens, "--num-draft-tokens")
+    args.temperatures = parse_floats(args.temperatures, "--temperatures")
+    if args.max_new_tokens < 1 or args.repeats < 1:
+        raise CliError(f"--max-new-tokens and --repeats must be >= 1, got {args.max_new_tokens}, {args.repeats}")
+    if args.spec != "none" and args.draft is None:
+        raise CliError(f"--spec {args.spec} needs --draft DIR")
+    prompts = read_prompt_file(args.prompts) if args.prompts else DEFAULT_PROMPTS
+    torch.manual_seed(0)
+    rows = bench_spec(args, prompts) if args.spec != "none" else bench_vs_transformers(args, prompts)
+    result = {"model": str(args.model), "device": args.device, "dtype": args.dtype, "threads": torch.get_num_threads(),
+              "max_new_tokens": args.max_new_tokens, "spec": args.spec, "rows": rows}
+    if not args.json:
+        print_table(rows)
+    print(json.dumps(result))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(run_cli(main))

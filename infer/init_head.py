@@ -1,0 +1,36 @@
+"""Write an untrained MTP head for a target: its last layer, passing h_i through (see init_head_from_target).
+
+    python -m infer.init_head --target DIR --out DIR [--architecture mtp|eagle1]
+
+Useful to exercise speculative decoding before a trained head exists; trained heads come from mtp_train.
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+from pathlib import Path
+
+from infer.cli import CliError, run_cli
+from infer.loader import load_model
+from infer.models.mtp_head import init_head_from_target, save_head
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="python -m infer.init_head", description=__doc__,
+                                     formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--target", required=True, type=Path, help="the target's Hugging Face folder (Llama)")
+    parser.add_argument("--out", required=True, type=Path, help="head folder to write")
+    parser.add_argument("--architecture", choices=["mtp", "eagle1"], default="mtp",
+                        help="mtp: with input and final norms; eagle1: no norms, biased projection")
+    args = parser.parse_args(argv)
+    target = load_model(args.target)
+    if target.config.model_type != "llama":
+        raise CliError(f"--target {args.target}: untrained heads are built from Llama targets only")
+    save_head(init_head_from_target(target, str(args.target), args.architecture), args.out)
+    print(f"wrote {args.out}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(run_cli(main))
