@@ -47,15 +47,12 @@ class Request:
     arrival_time: float = field(default_factory=time.perf_counter)
     finish_time: float | None = None
 
+    def __post_init__(self) -> None:
+        self.token_ids = self.prompt_ids + self.output_ids  # prompt then output, grown as tokens are sampled
+
     @property
     def num_tokens(self) -> int:
-        return len(self.prompt_ids) + len(self.output_ids)
-
-    def token_slice(self, start: int, end: int) -> list[int]:
-        n = len(self.prompt_ids)
-        if end <= n:
-            return self.prompt_ids[start:end]
-        return (self.prompt_ids + self.output_ids)[start:end]
+        return len(self.token_ids)
 
     @property
     def finished(self) -> bool:
@@ -241,7 +238,7 @@ class Engine:
         input_ids: list[int] = []
         q_lens, kv_lens, page_lists, sampling = [], [], [], []
         for request, q_len in scheduled:
-            input_ids.extend(request.token_slice(request.num_computed, request.num_computed + q_len))
+            input_ids.extend(request.token_ids[request.num_computed : request.num_computed + q_len])
             q_lens.append(q_len)
             kv_lens.append(request.num_computed + q_len)
             page_lists.append(request.page_table.pages)
@@ -301,6 +298,7 @@ class Engine:
     def append_token(self, request: Request, token: int) -> bool:
         """Record a sampled token and decide whether the request stops; frees its pages when it does."""
         request.output_ids.append(token)
+        request.token_ids.append(token)
         params = request.params
         if token in request.stop_ids:
             request.finish_reason = "stop"
@@ -321,7 +319,7 @@ class Engine:
         decode = self.tokenizer.decode
         if request.prompt_text_decoded is None:
             request.prompt_text_decoded = decode(request.prompt_ids, skip_special_tokens=True)
-        full = decode(request.prompt_ids + request.output_ids, skip_special_tokens=True)
+        full = decode(request.token_ids, skip_special_tokens=True)
         prefix = request.prompt_text_decoded
         return full[len(prefix):] if full.startswith(prefix) else decode(request.output_ids, skip_special_tokens=True)
 

@@ -11,7 +11,7 @@ import json
 from pathlib import Path
 
 import torch
-from safetensors import safe_open
+from safetensors import SafetensorError, safe_open
 from transformers import AutoConfig, PretrainedConfig
 
 # model_type in config.json -> the class in infer/models that implements it (one file per architecture).
@@ -71,8 +71,9 @@ def load_model(
 ) -> torch.nn.Module:
     """Build the model on the meta device, then fill every parameter from the checkpoint's tensors.
 
-    An architecture's `checkpoint_renames(key, tensor, config)` may map one checkpoint tensor onto rows of
-    a fused parameter (yielding (name, tensor, first_row)) or split it into several (name, tensor) pieces.
+    An architecture's `checkpoint_renames(key, tensor, config)` says where a checkpoint tensor goes: whole
+    parameters as (name, tensor), pieces of a fused parameter as (name, tensor, first_row, rows); one
+    checkpoint tensor may also be split into several whole parameters.
     """
     path = Path(path)
     config = load_config(path)
@@ -92,9 +93,9 @@ def load_model(
                     if key.endswith(IGNORED_KEY_SUFFIXES) or key in tied:
                         continue
                     tensor = f.get_tensor(key)
-                    for name, piece, *row in renames(key, tensor, config) if renames else [(key, tensor)]:
-                        _place(file, name, piece, row[0] if row else 0, params, state, rows_filled, dtype)
-        except (OSError, RuntimeError) as err:  # safetensors' errors for truncated or non-safetensors files
+                    for name, piece, *rows in renames(key, tensor, config) if renames else [(key, tensor)]:
+                        _place(file, key, name, piece, rows, params, state, rows_filled, dtype)
+        except (OSError, RuntimeError, SafetensorError) as err:  # truncated or non-safetensors files
             raise ModelLoadError(f"cannot read {file}: {err}") from err
     incomplete = sorted(n for n in params if n not in tied and rows_filled.get(n, 0) < params[n].shape[0])
     if incomplete:
@@ -107,19 +108,19 @@ def load_model(
 
 
 def _place(
-    file: Path, name: str, tensor: torch.Tensor, row: int, params: dict[str, torch.nn.Parameter],
+    file: Path, key: str, name: str, tensor: torch.Tensor, rows: list[int], params: dict[str, torch.nn.Parameter],
     state: dict[str, torch.Tensor], rows_filled: dict[str, int], dtype: torch.dtype,
 ) -> None:
-    """Copy a checkpoint tensor into rows [row, row + len) of parameter `name`, checking its shape."""
+    """Copy checkpoint tensor `key` into parameter `name` (rows = [first_row, num_rows] for a fused piece)."""
     if name not in params:
-        raise ModelLoadError(f"{file}: tensor {name!r} matches no parameter of the model in config.json")
-    expected = params[name].shape
-    if tuple(tensor.shape[1:]) != tuple(expected[1:]) or row + tensor.shape[0] > expected[0]:
+        raise ModelLoadError(f"{file}: tensor {key!r} matches no parameter of the model in config.json")
+    full = params[name].shape
+    first, expected = (rows[0], (rows[1], *full[1:])) if rows else (0, tuple(full))
+    if tuple(tensor.shape) != tuple(expected):
         raise ModelLoadError(
-            f"{file}: tensor {name!r} of shape {tuple(tensor.shape)} does not fit {tuple(expected)} at row {row}"
-            " (does config.json match the weights?)"
+            f"{file}: tensor {key!r} has shape {tuple(tensor.shape)}, config.json implies {tuple(expected)}"
         )
     if name not in state:
-        state[name] = torch.empty(expected, dtype=dtype)
-    state[name][row : row + tensor.shape[0]] = tensor
+        state[name] = torch.empty(full, dtype=dtype)
+    state[name][first : first + tensor.shape[0]] = tensor
     rows_filled[name] = rows_filled.get(name, 0) + tensor.shape[0]

@@ -107,8 +107,7 @@ class Drafter:
         input_ids: list[int] = []
         hidden_rows: list[torch.Tensor] = []
         for request, start, end in spans:
-            all_ids = request.prompt_ids + request.output_ids
-            input_ids.extend(all_ids[start + self.token_shift : end + self.token_shift])
+            input_ids.extend(request.token_ids[start + self.token_shift : end + self.token_shift])
             if self.needs_hidden_states:
                 first, hidden = target_hidden[request.request_id]
                 hidden_rows.append(hidden[start - first : end - first])

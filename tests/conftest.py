@@ -5,9 +5,24 @@ from __future__ import annotations
 from pathlib import Path
 
 import pytest
+import torch
 
 ASSETS_DIR = Path(__file__).resolve().parents[2] / "shared" / "assets"
 STORIES_HF_DIR = ASSETS_DIR / "stories260K" / "hf-reference"
+
+
+@pytest.fixture(scope="module")
+def one_torch_thread():
+    """Run a module's tiny-model tests on one intra-op thread, restoring the count afterwards.
+
+    stories260K's matmuls are a few microseconds; with two OpenMP threads on a busy 2-core machine each op waits
+    for a descheduled peer, and a 21-step decode went from 0.05 s to 3-12 s. Use with
+    `pytestmark = pytest.mark.usefixtures("one_torch_thread")`.
+    """
+    previous = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(previous)
 
 
 @pytest.fixture(scope="session")

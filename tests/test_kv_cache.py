@@ -9,6 +9,8 @@ import torch
 
 from infer.kv_cache import OutOfPages, PagePool, PageTable, build_page_metadata, pages_needed
 
+pytestmark = pytest.mark.usefixtures("one_torch_thread")
+
 CPU = torch.device("cpu")
 
 

@@ -20,6 +20,8 @@ from infer.kv_cache import PagePool, PageTable, build_page_metadata
 from infer.loader import ModelLoadError, load_model
 from infer.models.llama import LlamaForCausalLM
 
+pytestmark = pytest.mark.usefixtures("one_torch_thread")
+
 REL_TOL = 1e-4
 LLAMA3_ROPE = dict(
     rope_type="llama3", rope_theta=10000.0, factor=8.0, low_freq_factor=1.0, high_freq_factor=4.0,
@@ -105,18 +107,17 @@ def test_stories_batched_decode_matches_transformers(stories_model, stories_refe
 
 
 def test_stories_chunked_prefill_equals_one_shot(stories_model, stories_reference):
-    """A 33-token prompt in chunks of 7 (7, 7, 7, 7, 5), next to a sequence prefilled in one go."""
-    tokens, other = random_tokens(512, 33, 11, seed=2)
+    """A 33-token prompt prefilled in chunks of 7 (7, 7, 7, 7, 5), each chunk in a batch with another sequence's
+    prefill or decode, gives the logits of a one-shot prefill (and of transformers)."""
+    tokens, other = random_tokens(512, 33, 15, seed=2)
     chunks = list(tokens.split(7))
-    steps = [[chunks[0], other]] + [[chunk, other[:0]] for chunk in chunks[1:]]
-    chunked = run_paged(stories_model, [[c] for c in chunks], page_size=4)
-    mixed = run_paged(stories_model, [[chunks[0], other]], page_size=4)  # chunk 1 shares a batch with a prefill
+    assert [len(c) for c in chunks] == [7, 7, 7, 7, 5]
+    steps = [[chunks[0], other[:11]]] + [[chunk, other[10 + i : 11 + i]] for i, chunk in enumerate(chunks[1:], 1)]
+    chunked = run_paged(stories_model, steps, page_size=4)
     (one_shot,) = run_paged(stories_model, [[tokens]], page_size=4)
-    chunked_logits = concat_logits(chunked, 0)
-    assert_close(chunked_logits, one_shot[0][0])
-    assert_close(mixed[0][0][0], one_shot[0][0][:7])
-    assert_close(chunked_logits, reference_logits(stories_reference, tokens))
-    assert len(steps) == 5
+    assert_close(concat_logits(chunked, 0), one_shot[0][0])
+    assert_close(concat_logits(chunked, 0), reference_logits(stories_reference, tokens))
+    assert_close(concat_logits(chunked, 1), reference_logits(stories_reference, other))
 
 
 @torch.no_grad()

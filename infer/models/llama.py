@@ -19,19 +19,21 @@ from infer.attention import AttentionBackend
 from infer.models.common import ModelOutput, RMSNorm, RotaryEmbedding, apply_rope_half, half_split_cos_sin
 
 
-def fused_rows(key: str, tensor: torch.Tensor, config: LlamaConfig) -> tuple[str, torch.Tensor, int]:
-    """Where a checkpoint's q/k/v_proj or gate/up_proj tensor sits inside the fused parameter."""
+def fused_rows(key: str, tensor: torch.Tensor, config: LlamaConfig) -> tuple:
+    """A checkpoint tensor -> (parameter, tensor) or, for q/k/v and gate/up, (fused parameter, tensor, first row, rows)."""
     head_dim = getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
     q_rows, kv_rows = config.num_attention_heads * head_dim, config.num_key_value_heads * head_dim
-    offsets = {
-        "q_proj": ("qkv_proj", 0), "k_proj": ("qkv_proj", q_rows), "v_proj": ("qkv_proj", q_rows + kv_rows),
-        "gate_proj": ("gate_up_proj", 0), "up_proj": ("gate_up_proj", config.intermediate_size),
+    inter = config.intermediate_size
+    pieces = {
+        "q_proj": ("qkv_proj", 0, q_rows), "k_proj": ("qkv_proj", q_rows, kv_rows),
+        "v_proj": ("qkv_proj", q_rows + kv_rows, kv_rows),
+        "gate_proj": ("gate_up_proj", 0, inter), "up_proj": ("gate_up_proj", inter, inter),
     }
     parts = key.split(".")
-    if len(parts) >= 2 and parts[-2] in offsets:
-        fused, row = offsets[parts[-2]]
-        return ".".join(parts[:-2] + [fused, parts[-1]]), tensor, row
-    return key, tensor, 0
+    if len(parts) >= 2 and parts[-2] in pieces:
+        fused, row, rows = pieces[parts[-2]]
+        return ".".join(parts[:-2] + [fused, parts[-1]]), tensor, row, rows
+    return key, tensor
 
 
 class LlamaAttention(nn.Module):
@@ -103,8 +105,8 @@ class LlamaForCausalLM(nn.Module):
             self.lm_head.weight = self.model.embed_tokens.weight
 
     @staticmethod
-    def checkpoint_renames(key: str, tensor: torch.Tensor, config: LlamaConfig) -> list[tuple[str, torch.Tensor, int]]:
-        """Checkpoint tensor -> (parameter, tensor, first row) pieces: q/k/v and gate/up land in fused rows."""
+    def checkpoint_renames(key: str, tensor: torch.Tensor, config: LlamaConfig) -> list[tuple]:
+        """Checkpoint tensor -> where it goes: q/k/v and gate/up land in rows of the fused parameters."""
         return [fused_rows(key, tensor, config)]
 
     def forward(
