@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import argparse
 import hashlib
+import json
 import os
 import shutil
 import struct
@@ -37,6 +38,7 @@ V1_MAGIC = 0x616B3432  # "ak42": llama2.c's versioned export formats, which this
 N_SPECIAL = 3  # <unk>, <s>, </s>
 N_BYTES = 256  # <0x00>..<0xFF>, ids 3..258: llama2.c's byte fallback is id = byte + 3
 BOS_ID, EOS_ID = 1, 2
+ROPE_THETA = 10000.0  # what llama2.c's model.py uses; checked against the stored freq_cis tables
 SPACE_MARK = "\u2581"  # sentencepiece's "▁"; llama2.c's export replaced it with a real space
 
 
@@ -67,18 +69,18 @@ class Llama2cConfig:
 
     def tensor_shapes(self) -> list[tuple[str, tuple[int, ...]]]:
         """The fp32 arrays after the header, in file order (llama2.c export.py `legacy_export`)."""
-        L, d, h, kv = self.n_layers, self.dim, self.hidden_dim, self.kv_dim
+        n, d, h, kv = self.n_layers, self.dim, self.hidden_dim, self.kv_dim
         shapes = [
             ("token_embedding", (self.vocab_size, d)),
-            ("rms_att", (L, d)),
-            ("wq", (L, d, d)),
-            ("wk", (L, kv, d)),
-            ("wv", (L, kv, d)),
-            ("wo", (L, d, d)),
-            ("rms_ffn", (L, d)),
-            ("w1", (L, h, d)),
-            ("w2", (L, d, h)),
-            ("w3", (L, h, d)),
+            ("rms_att", (n, d)),
+            ("wq", (n, d, d)),
+            ("wk", (n, kv, d)),
+            ("wv", (n, kv, d)),
+            ("wo", (n, d, d)),
+            ("rms_ffn", (n, d)),
+            ("w1", (n, h, d)),
+            ("w2", (n, d, h)),
+            ("w3", (n, h, d)),
             ("rms_final", (d,)),
             ("freq_cis_real", (self.seq_len, self.head_dim // 2)),
             ("freq_cis_imag", (self.seq_len, self.head_dim // 2)),
@@ -88,7 +90,7 @@ class Llama2cConfig:
         return shapes
 
 
-def parse_header(path: Path, data: bytes) -> Llama2cConfig:
+def parse_header(path: Path, data: bytearray) -> Llama2cConfig:
     """Decode and sanity-check the 7-int32 header, so a wrong file fails here rather than as a reshape error."""
     if len(data) < HEADER.size:
         raise ConversionError(f"--checkpoint {path}: {len(data)} bytes, too short for a llama2.c header")
@@ -110,7 +112,7 @@ def parse_header(path: Path, data: bytes) -> Llama2cConfig:
 
 def read_checkpoint(path: Path) -> tuple[Llama2cConfig, dict[str, torch.Tensor]]:
     """Read a v0 checkpoint into its config and the raw llama2.c arrays, checking the file size exactly."""
-    data = path.read_bytes()
+    data = bytearray(path.read_bytes())  # writable, so torch.frombuffer shares it without a warning
     cfg = parse_header(path, data)
     shapes = cfg.tensor_shapes()
     n_floats = sum(torch.Size(shape).numel() for _, shape in shapes)
@@ -120,7 +122,7 @@ def read_checkpoint(path: Path) -> tuple[Llama2cConfig, dict[str, torch.Tensor]]
             f"--checkpoint {path}: {len(data)} bytes, but its header {tuple(HEADER.unpack_from(data))} "
             f"implies {expected} (truncated, or not a llama2.c v0 file)"
         )
-    flat = torch.frombuffer(bytearray(data[HEADER.size :]), dtype=torch.float32)
+    flat = torch.frombuffer(data, dtype=torch.float32, offset=HEADER.size)
     arrays, offset = {}, 0
     for name, shape in shapes:
         numel = torch.Size(shape).numel()
@@ -129,8 +131,17 @@ def read_checkpoint(path: Path) -> tuple[Llama2cConfig, dict[str, torch.Tensor]]
     return cfg, arrays
 
 
+def check_rope_theta(path: Path, cfg: Llama2cConfig, arrays: dict[str, torch.Tensor]) -> None:
+    """HF recomputes RoPE from rope_theta, so the freq_cis tables the file carries must agree with it."""
+    inv_freq = ROPE_THETA ** (-torch.arange(0, cfg.head_dim, 2, dtype=torch.float64) / cfg.head_dim)
+    angles = torch.outer(torch.arange(cfg.seq_len, dtype=torch.float64), inv_freq)  # (seq_len, head_dim/2)
+    for name, table in (("freq_cis_real", angles.cos()), ("freq_cis_imag", angles.sin())):
+        if not torch.allclose(arrays[name].double(), table, rtol=0.0, atol=1e-4):
+            raise ConversionError(f"--checkpoint {path}: {name} is not RoPE with theta {ROPE_THETA:g}")
+
+
 def interleaved_to_half_split(w: torch.Tensor, n_heads: int) -> torch.Tensor:
-    """Reorder q/k rows per head from llama2.c's (x0, y0, x1, y1, ...) rotary pairs to HF's (x0, x1, ..., y0, y1, ...)."""
+    """Reorder q/k rows per head: llama2.c rotates pairs (x0, y0, x1, y1, ...), HF (x0, x1, ..., y0, y1, ...)."""
     out_features, in_features = w.shape
     head_dim = out_features // n_heads
     return w.view(n_heads, head_dim // 2, 2, in_features).transpose(1, 2).reshape(out_features, in_features)
@@ -153,10 +164,10 @@ def to_hf_state_dict(cfg: Llama2cConfig, arrays: dict[str, torch.Tensor]) -> dic
     state["model.norm.weight"] = arrays["rms_final"]
     if not cfg.shared_classifier:
         state["lm_head.weight"] = arrays["wcls"]
-    return {name: t.contiguous().clone() for name, t in state.items()}
+    return {name: t.clone() for name, t in state.items()}  # own storage: safetensors rejects shared buffers
 
 
-def hf_config(cfg: Llama2cConfig) -> dict:
+def hf_config(cfg: Llama2cConfig) -> dict[str, object]:
     """LlamaConfig as a dict, plus the v4-style `rope_theta`/`torch_dtype` keys for readers that parse the JSON."""
     config = LlamaConfig(
         vocab_size=cfg.vocab_size,
@@ -168,22 +179,24 @@ def hf_config(cfg: Llama2cConfig) -> dict:
         head_dim=cfg.head_dim,
         max_position_embeddings=cfg.seq_len,
         rms_norm_eps=1e-5,
-        rope_theta=10000.0,
+        rope_theta=ROPE_THETA,
         tie_word_embeddings=cfg.shared_classifier,
         bos_token_id=BOS_ID,
         eos_token_id=EOS_ID,
         dtype="float32",
         architectures=["LlamaForCausalLM"],
     ).to_dict()
-    return config | {"rope_theta": 10000.0, "torch_dtype": "float32"}
+    return config | {"rope_theta": ROPE_THETA, "torch_dtype": "float32"}
 
 
 def read_vocab(path: Path, vocab_size: int) -> list[tuple[str, float]]:
-    """Read tokenizer.bin: int32 max_token_length, then per token f32 score, int32 length, bytes."""
+    """Read tokenizer.bin (int32 max_token_length, then per token: f32 score, int32 length, bytes).
+
+    The file does not store its size; llama2.c reads `vocab_size` entries from the checkpoint's header,
+    so a mismatch would silently shift every id. It is checked here against the whole file instead.
+    """
     data = path.read_bytes()
     pieces, offset = [], 4
-    if len(data) < offset:
-        raise ConversionError(f"--tokenizer {path}: too short for a llama2.c tokenizer")
     while offset < len(data):
         if offset + 8 > len(data):
             raise ConversionError(f"--tokenizer {path}: truncated after {len(pieces)} tokens")
@@ -197,34 +210,32 @@ def read_vocab(path: Path, vocab_size: int) -> list[tuple[str, float]]:
             raise ConversionError(f"--tokenizer {path}: token {len(pieces)} is not UTF-8") from None
         offset += 8 + length
     if len(pieces) != vocab_size:
-        raise ConversionError(
-            f"--tokenizer {path}: {len(pieces)} tokens, but --checkpoint has vocab_size {vocab_size}"
-        )
-    expected_bytes = [f"<0x{b:02X}>" for b in range(N_BYTES)]
-    if len(pieces) < N_SPECIAL + N_BYTES or [p for p, _ in pieces[N_SPECIAL : N_SPECIAL + N_BYTES]] != expected_bytes:
+        raise ConversionError(f"--tokenizer {path}: {len(pieces)} tokens, but --checkpoint has vocab_size {vocab_size}")
+    byte_pieces = [piece for piece, _ in pieces[N_SPECIAL : N_SPECIAL + N_BYTES]]
+    if byte_pieces != [f"<0x{b:02X}>" for b in range(N_BYTES)]:
         raise ConversionError(f"--tokenizer {path}: ids 3..258 are not the byte tokens <0x00>..<0xFF>")
     return pieces
 
 
 def bpe_merges(pieces: list[tuple[str, float]]) -> list[tuple[str, str]]:
-    """Every (left, right) split of a learned piece into two learned pieces, best result score first.
+    """Every split of a learned piece into two learned pieces, ranked by the score of the piece they form.
 
-    llama2.c merges the pair whose *concatenation* scores highest, whichever split produced it; HF BPE
-    merges the pair of lowest rank. Listing all splits ranked by the score of their result makes the two
-    choose the same string at every step. Ties between different strings would need llama2.c's positional
-    tie-break, which a merge list cannot express, so they are rejected.
+    llama2.c merges the adjacent pair whose *concatenation* scores highest, whichever split produced it;
+    HF BPE merges the pair of lowest rank. Ranking all splits by their result's score makes both pick the
+    same string at every step. Distinct strings with equal scores would need llama2.c's leftmost tie-break,
+    which a merge list cannot express, so they are rejected.
     """
-    learned = {piece: (score, i) for i, (piece, score) in enumerate(pieces) if i >= N_SPECIAL + N_BYTES}
-    merges = []
-    for piece, (score, i) in learned.items():
+    learned = {piece: score for piece, score in pieces[N_SPECIAL + N_BYTES :]}
+    ranked = []  # (-score of result, result, cut position, left, right)
+    for piece, score in learned.items():
         for cut in range(1, len(piece)):
             left, right = piece[:cut], piece[cut:]
             if left in learned and right in learned:
-                merges.append((-score, i, cut, left, right))
-    result_scores = {(score, piece) for score, _, cut, left, right in merges for piece in [left + right]}
-    if len({score for score, _ in result_scores}) != len(result_scores):
-        raise ConversionError("--tokenizer: two mergeable pieces share a score; llama2.c's tie-break is not expressible")
-    return [(left, right) for *_, left, right in sorted(merges)]
+                ranked.append((-score, piece, cut, left, right))
+    result_scores = {piece: score for score, piece, *_ in ranked}
+    if len(set(result_scores.values())) != len(result_scores):
+        raise ValueError("two mergeable pieces share a score; llama2.c's leftmost tie-break is not expressible")
+    return [(left, right) for *_, left, right in sorted(ranked)]
 
 
 def build_tokenizer(pieces: list[tuple[str, float]], model_max_length: int) -> PreTrainedTokenizerFast:
@@ -236,7 +247,7 @@ def build_tokenizer(pieces: list[tuple[str, float]], model_max_length: int) -> P
     """
     names = ["<unk>", "<s>", "</s>"] + [p.replace(" ", SPACE_MARK) for p, _ in pieces[N_SPECIAL:]]
     if len(set(names)) != len(names):
-        raise ConversionError("--tokenizer: pieces collide once spaces are written as '\u2581'")
+        raise ValueError("two pieces collide once spaces are written as '\u2581'")
     vocab = {name: i for i, name in enumerate(names)}
     merges = [(a.replace(" ", SPACE_MARK), b.replace(" ", SPACE_MARK)) for a, b in bpe_merges(pieces)]
     backend = Tokenizer(models.BPE(vocab=vocab, merges=merges, unk_token="<unk>", byte_fallback=True, fuse_unk=True))
@@ -261,21 +272,46 @@ def build_tokenizer(pieces: list[tuple[str, float]], model_max_length: int) -> P
     )
 
 
+def load_tokenizer(path: Path, vocab_size: int, model_max_length: int) -> PreTrainedTokenizerFast:
+    """read_vocab + build_tokenizer, with a vocab that cannot be rebuilt reported against its file."""
+    pieces = read_vocab(path, vocab_size)
+    try:
+        return build_tokenizer(pieces, model_max_length)
+    except ValueError as err:
+        raise ConversionError(f"--tokenizer {path}: {err}") from None
+
+
 def file_sha256(path: Path) -> str:
     return hashlib.sha256(path.read_bytes()).hexdigest()
 
 
-def write_folder(folder: Path, cfg: Llama2cConfig, state: dict[str, torch.Tensor], tokenizer: PreTrainedTokenizerFast,
-                 checkpoint: Path) -> None:
-    """Write every output file into `folder` (the temp dir that is renamed into place)."""
-    import json
+def save_tokenizer(tokenizer: PreTrainedTokenizerFast, folder: Path) -> None:
+    """save_pretrained, then name the class and BOS policy the way transformers 4.x also understands.
 
+    transformers 5 writes "TokenizersBackend" (unknown to 4.x) and drops add_bos_token, relying on the
+    post-processor in tokenizer.json; both versions keep using that post-processor.
+    """
+    tokenizer.save_pretrained(folder)
+    config_path = folder / "tokenizer_config.json"
+    config = json.loads(config_path.read_text())
+    config |= {"tokenizer_class": "PreTrainedTokenizerFast", "add_bos_token": True, "add_eos_token": False}
+    config_path.write_text(json.dumps(config, indent=2, sort_keys=True) + "\n")
+
+
+def write_folder(
+    folder: Path, cfg: Llama2cConfig, state: dict[str, torch.Tensor], tokenizer: PreTrainedTokenizerFast, source: Path
+) -> None:
+    """Write every output file into `folder`, the staging dir that is then renamed into place."""
     (folder / "config.json").write_text(json.dumps(hf_config(cfg), indent=2, sort_keys=True) + "\n")
     # Stories end with BOS: the model emits 1 between stories and never 2, so 1 is the stop token.
     GenerationConfig(bos_token_id=BOS_ID, eos_token_id=BOS_ID, do_sample=False).save_pretrained(folder)
-    metadata = {"format": "pt", "source": f"llama2.c v0: {checkpoint.name}", "source_sha256": file_sha256(checkpoint)}
+    metadata = {"format": "pt", "source": f"llama2.c v0: {source.name}", "source_sha256": file_sha256(source)}
     save_file(state, str(folder / "model.safetensors"), metadata=metadata)
-    tokenizer.save_pretrained(folder)
+    save_tokenizer(tokenizer, folder)
+    # mkdtemp makes the dir 0700 and safetensors writes 0600; the result should read like any model folder.
+    folder.chmod(0o755)
+    for path in folder.iterdir():
+        path.chmod(0o644)
 
 
 def check_inputs(checkpoint: Path, tokenizer: Path, out: Path, force: bool) -> None:
@@ -290,13 +326,19 @@ def check_inputs(checkpoint: Path, tokenizer: Path, out: Path, force: bool) -> N
 
 
 def move_into_place(staging: Path, out: Path) -> None:
-    """Swap `staging` in as `out`; an old `out` is only deleted once the new one is in place."""
+    """Rename `staging` to `out`. An old `out` is first renamed aside and deleted only once the new one is in
+    place, so `out` is always either the old folder or the complete new one (bar a crash between two renames)."""
     if not out.exists():
         os.rename(staging, out)
         return
     retired = Path(tempfile.mkdtemp(dir=out.parent, prefix=f".{out.name}.old-"))
     os.rename(out, retired / out.name)
-    os.rename(staging, out)
+    try:
+        os.rename(staging, out)
+    except OSError:
+        os.rename(retired / out.name, out)  # put the old folder back
+        retired.rmdir()
+        raise
     shutil.rmtree(retired)
 
 
@@ -305,7 +347,8 @@ def convert_llama2c(checkpoint: Path, tokenizer: Path, out: Path, force: bool = 
     checkpoint, tokenizer, out = Path(checkpoint), Path(tokenizer), Path(out)
     check_inputs(checkpoint, tokenizer, out, force)
     cfg, arrays = read_checkpoint(checkpoint)
-    hf_tokenizer = build_tokenizer(read_vocab(tokenizer, cfg.vocab_size), cfg.seq_len)
+    check_rope_theta(checkpoint, cfg, arrays)
+    hf_tokenizer = load_tokenizer(tokenizer, cfg.vocab_size, cfg.seq_len)
     state = to_hf_state_dict(cfg, arrays)
     out.parent.mkdir(parents=True, exist_ok=True)
     staging = Path(tempfile.mkdtemp(dir=out.parent, prefix=f".{out.name}.tmp-"))
@@ -341,7 +384,7 @@ def main(argv: list[str] | None = None) -> int:
         print(f"convert_llama2c: error: {err}", file=sys.stderr)
         return 2
     except OSError as err:
-        print(f"convert_llama2c: error: {err.filename or ''}: {err.strerror or err}", file=sys.stderr)
+        print(f"convert_llama2c: error: {err}", file=sys.stderr)
         return 2
     print(f"wrote {out}")
     return 0
