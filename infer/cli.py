@@ -70,5 +70,5 @@ def run_cli(main: Callable[[], int]) -> int:
     except (CliError, ModelLoadError, HeadLoadError, ValueError, FileNotFoundError) as err:
         if os.environ.get("INFER_DEBUG"):
             raise
-        print(f"error: {err}", file=sys.stderr)
+        print(f"error: {' '.join(str(err).split())}", file=sys.stderr)  # one line, whatever the message
         return 2

@@ -39,6 +39,7 @@ class Request:
     num_computed: int = 0  # tokens whose KV is in the cache
     finish_reason: str | None = None  # "stop" (EOS id or stop string) or "length"
     text: str = ""
+    stopped_by_string: bool = False  # text was cut before a stop string
     prompt_text_decoded: str | None = None  # the prompt as the tokenizer decodes it, to cut from the full text
     num_preemptions: int = 0
     draft_computed: int = 0  # positions the drafter's cache holds (speculative decoding)
@@ -149,7 +150,7 @@ class Engine:
         if isinstance(prompt, str):
             if self.tokenizer is None:
                 raise ValueError("this model folder has no tokenizer: pass token ids instead of text")
-            prompt_text, prompt_ids = prompt, self.tokenizer.encode(prompt)
+            prompt_text, prompt_ids = prompt, self.tokenizer.encode(prompt, verbose=False)
         else:
             prompt_text, prompt_ids = None, [int(t) for t in prompt]
         if not prompt_ids:
@@ -162,8 +163,13 @@ class Engine:
                 f"prompt has {len(prompt_ids)} tokens; the model's context is {self.max_model_len} "
                 "(max_position_embeddings), which leaves no room to generate"
             )
-        if pages_needed(len(prompt_ids) + 1, self.config.page_size) > self.pool.num_pages:
-            raise ValueError(f"prompt of {len(prompt_ids)} tokens cannot fit in the KV cache ({self.pool.num_pages} pages)")
+        longest = min(len(prompt_ids) + params.max_new_tokens, self.max_model_len)
+        if pages_needed(longest, self.config.page_size) > self.pool.num_pages:
+            raise ValueError(
+                f"a request of {len(prompt_ids)} prompt + {params.max_new_tokens} new tokens needs "
+                f"{pages_needed(longest, self.config.page_size)} KV pages; the cache has {self.pool.num_pages} "
+                f"of {self.config.page_size} tokens (raise num_pages or lower max_new_tokens)"
+            )
         stop_ids = frozenset() if params.ignore_eos else frozenset(
             params.stop_token_ids if params.stop_token_ids is not None else self.eos_token_ids
         )
@@ -310,7 +316,7 @@ class Engine:
             return False
         request.finish_time = time.perf_counter()
         request.page_table.free()
-        if self.tokenizer is not None and not request.text:
+        if self.tokenizer is not None and not request.stopped_by_string:
             request.text = self._output_text(request)
         return True
 
@@ -328,6 +334,7 @@ class Engine:
         hits = [i for i in (text.find(s) for s in request.params.stop) if i >= 0]
         if hits:
             request.text = text[: min(hits)]
+            request.stopped_by_string = True
         return bool(hits)
 
     # --- convenience ------------------------------------------------------------------------------

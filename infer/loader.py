@@ -33,15 +33,19 @@ def load_config(path: str | Path) -> PretrainedConfig:
         raise ModelLoadError(f"model folder {path} does not exist or is not a directory")
     if not (path / "config.json").is_file():
         raise ModelLoadError(f"{path / 'config.json'} is missing: expected a Hugging Face model folder")
+    try:  # check the architecture before transformers does, for a one-line answer
+        model_type = json.loads((path / "config.json").read_text()).get("model_type")
+    except (json.JSONDecodeError, AttributeError, UnicodeDecodeError) as err:
+        raise ModelLoadError(f"{path / 'config.json'} is not a JSON object: {err}") from err
+    if model_type not in MODEL_CLASSES:
+        supported = ", ".join(sorted(MODEL_CLASSES))
+        raise ModelLoadError(
+            f"unsupported architecture {model_type!r} in {path / 'config.json'} (supported: {supported})"
+        )
     try:
         config = AutoConfig.from_pretrained(path)
     except (ValueError, OSError, json.JSONDecodeError, KeyError) as err:
         raise ModelLoadError(f"cannot read {path / 'config.json'}: {err}") from err
-    if config.model_type not in MODEL_CLASSES:
-        supported = ", ".join(sorted(MODEL_CLASSES))
-        raise ModelLoadError(
-            f"unsupported architecture {config.model_type!r} in {path / 'config.json'} (supported: {supported})"
-        )
     return config
 
 

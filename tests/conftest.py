@@ -28,7 +28,7 @@ def one_torch_thread():
 @pytest.fixture(scope="session")
 def assets_dir() -> Path:
     if not ASSETS_DIR.is_dir():
-        pytest.skip(f"shared assets not found at {ASSETS_DIR}")
+        pytest.fail(f"shared assets not found at {ASSETS_DIR}: the tests need ../shared/assets beside the checkout")
     return ASSETS_DIR
 
 
@@ -36,7 +36,7 @@ def assets_dir() -> Path:
 def stories_hf_dir(assets_dir: Path) -> Path:
     """stories260K as a Hugging Face LlamaForCausalLM folder (config.json, model.safetensors, tokenizer.json)."""
     if not (STORIES_HF_DIR / "config.json").is_file():
-        pytest.skip(f"stories260K not found at {STORIES_HF_DIR}")
+        pytest.fail(f"stories260K not found at {STORIES_HF_DIR}")
     return STORIES_HF_DIR
 
 
