@@ -86,6 +86,19 @@ class TorchAttention:
         # with index_copy_/index_select: one kernel each, far cheaper than multi-dimensional indexing.
         self.kv_write, self.mla_write = cache_write_rows(meta)
 
+        # Packed queries -> padded [B, max_q]: decode-only batches (max_q == 1) need no padding at all.
+        self.decode_only = max_q == 1
+        if not self.decode_only:
+            q_idx = meta.qo_indptr.long()[:-1, None] + torch.arange(max_q, device=device)[None, :]
+            self.q_valid = torch.arange(max_q, device=device)[None, :] < q_lens[:, None]  # [B, max_q]
+            self.q_gather = q_idx.clamp_(max=meta.num_tokens - 1)
+
+        # Prompts with nothing cached (a fresh prefill, the feature precompute): attend over this step's own
+        # keys with SDPA's causal kernel; no cache read, no explicit mask.
+        self.fresh_prefill = not self.decode_only and bool((q_lens == kv_lens).all())
+        if self.fresh_prefill:
+            return
+
         # Each sequence's keys, padded to max_kv (padding clamped to a valid page and masked below).
         kv_pos = torch.arange(max_kv, device=device)
         page_slot = meta.kv_indptr.long()[:-1, None] + kv_pos[None, :] // page_size
@@ -95,13 +108,6 @@ class TorchAttention:
         k_read = (2 * read_page * page_size + read_offset).flatten()
         self.kv_read = torch.cat((k_read, k_read + page_size))  # [2 * B * max_kv]
         self.read_shape = (batch, max_kv)
-
-        # Packed queries -> padded [B, max_q]: decode-only batches (max_q == 1) need no padding at all.
-        self.decode_only = max_q == 1
-        if not self.decode_only:
-            q_idx = meta.qo_indptr.long()[:-1, None] + torch.arange(max_q, device=device)[None, :]
-            self.q_valid = torch.arange(max_q, device=device)[None, :] < q_lens[:, None]  # [B, max_q]
-            self.q_gather = q_idx.clamp_(max=meta.num_tokens - 1)
 
         # Causal mask: query j of sequence b sits at position kv_len - q_len + j and sees keys up to it.
         if self.decode_only and bool((kv_lens == max_kv).all()):
@@ -126,6 +132,12 @@ class TorchAttention:
         self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, kv_cache: torch.Tensor, scale: float
     ) -> torch.Tensor:
         flat = write_kv(kv_cache, self.kv_write, k, v)
+        if self.fresh_prefill:
+            out = F.scaled_dot_product_attention(
+                self._pad_queries(q), self._pad_queries(k), self._pad_queries(v), is_causal=True, scale=scale,
+                enable_gqa=True,
+            )
+            return self._unpad(out)
         kv = flat.index_select(0, self.kv_read).view(2, *self.read_shape, *kv_cache.shape[-2:])
         keys = kv[0].transpose(1, 2).to(q.dtype)  # [B, Hkv, max_kv, D]
         values = kv[1].transpose(1, 2).to(q.dtype)
@@ -146,10 +158,15 @@ class TorchAttention:
     ) -> torch.Tensor:
         ckv_flat = write_mla(ckv_cache, self.mla_write, ckv)
         kpe_flat = write_mla(kpe_cache, self.mla_write, kpe)
+        query = self._pad_queries(torch.cat((q_latent, q_rope), dim=-1))
+        if self.fresh_prefill:
+            latent = self._pad_queries(ckv[:, None, :])  # [B, 1, max_q, R]
+            keys = torch.cat((latent, self._pad_queries(kpe[:, None, :])), dim=-1)
+            out = F.scaled_dot_product_attention(query, keys, latent, is_causal=True, scale=scale, enable_gqa=True)
+            return self._unpad(out)
         latent = ckv_flat.index_select(0, self.mla_read).view(*self.read_shape, -1).to(q_latent.dtype)  # [B, max_kv, R]
         rope_key = kpe_flat.index_select(0, self.mla_read).view(*self.read_shape, -1).to(q_latent.dtype)
         keys = torch.cat((latent, rope_key), dim=-1)[:, None]  # one head shared by all query heads
-        query = self._pad_queries(torch.cat((q_latent, q_rope), dim=-1))
         out = F.scaled_dot_product_attention(
             query, keys, latent[:, None], attn_mask=self.mask, scale=scale, enable_gqa=True
         )

@@ -1,0 +1,171 @@
+"""Training-side reading of precomputed features, and the target's logits recomputed from them.
+
+`FeatureDataset` indexes every record of every shard from the small `record_offsets` tensors only; a record's
+tokens and hidden states are read on access as slices of the memory-mapped safetensors file, so a dataset
+larger than RAM is fine. `EpochSampler` gives a deterministic order per (seed, epoch) and each rank its own
+part of it (equal lengths on every rank, as DeepSpeed's data-parallel steps need).
+
+Logits are never stored: `TargetHead` loads just the target's final norm and lm_head from its safetensors and
+recomputes the next-token distribution from the stored pre-norm hidden states when the trainer needs it.
+"""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Iterator
+from pathlib import Path
+
+import torch
+from safetensors import safe_open
+
+from data_tools.shards import aux_key, read_manifest
+from infer.loader import safetensors_files
+
+
+class FeatureDataset(torch.utils.data.Dataset):
+    """Map-style dataset over a precompute output folder; item i is one record:
+
+    input_ids [L] int64, loss_mask [L] bool, hidden_states [L, hidden] (stored dtype),
+    aux_hidden_states [L, len(aux_layers), hidden] when aux layers are requested, source (str).
+    """
+
+    def __init__(self, root: str | Path, aux_layers: list[int] | None = None, max_records: int | None = None) -> None:
+        self.root = Path(root)
+        self.manifest = read_manifest(self.root)
+        self.aux_layers = list(aux_layers or [])
+        missing = [x for x in self.aux_layers if x not in self.manifest["aux_layers"]]
+        if missing:
+            raise ValueError(f"{self.root}: aux layers {missing} were not precomputed (have {self.manifest['aux_layers']})")
+        self.files = [self.root / s["file"] for s in self.manifest["shards"]]
+        shard_of, record_in_shard, spans = [], [], []
+        for shard, path in enumerate(self.files):
+            with safe_open(str(path), framework="pt") as f:
+                record_offsets = f.get_tensor("record_offsets")  # [R + 1], small: the only tensor read up front
+            num_records = record_offsets.numel() - 1
+            shard_of.append(torch.full((num_records,), shard, dtype=torch.int32))
+            record_in_shard.append(torch.arange(num_records, dtype=torch.int32))
+            spans.append(torch.stack((record_offsets[:-1], record_offsets[1:]), dim=1))
+        # Per record: its shard, its index there, and its tokens [start, end) within the shard.
+        self._shard_of = torch.cat(shard_of)[:max_records]
+        self._record_in_shard = torch.cat(record_in_shard)[:max_records]
+        self._spans = torch.cat(spans)[:max_records]
+        self._handles: dict[int, object] = {}  # safe_open handles per shard, opened lazily (per worker process)
+
+    def __len__(self) -> int:
+        return self._shard_of.numel()
+
+    def num_tokens(self, index: int) -> int:
+        start, end = self._spans[index].tolist()
+        return end - start
+
+    def _handle(self, shard: int):
+        if shard not in self._handles:
+            self._handles[shard] = safe_open(str(self.files[shard]), framework="pt")
+        return self._handles[shard]
+
+    def __getitem__(self, index: int) -> dict:
+        shard = int(self._shard_of[index])
+        start, end = self._spans[index].tolist()
+        f = self._handle(shard)
+        item = {
+            "input_ids": f.get_slice("input_ids")[start:end].long(),
+            "loss_mask": f.get_slice("loss_mask")[start:end].bool(),
+            "hidden_states": f.get_slice("hidden_states")[start:end],
+        }
+        if self.aux_layers:
+            item["aux_hidden_states"] = torch.stack(
+                [f.get_slice(aux_key(layer))[start:end] for layer in self.aux_layers], dim=1
+            )
+        item["source"] = self.manifest["shards"][shard]["sources"][int(self._record_in_shard[index])]
+        return item
+
+    def __getstate__(self) -> dict:  # DataLoader workers reopen their own handles
+        state = self.__dict__.copy()
+        state["_handles"] = {}
+        return state
+
+
+class EpochSampler(torch.utils.data.Sampler):
+    """A permutation of the records fixed by (seed, epoch), dealt to ranks round robin.
+
+    Every rank gets ceil(N / world) indices: the permutation is padded by wrapping (drop_last=False) or cut
+    (drop_last=True) so that all ranks take the same number of steps.
+    """
+
+    def __init__(self, num_records: int, seed: int = 0, rank: int = 0, world_size: int = 1, shuffle: bool = True,
+                 drop_last: bool = False) -> None:
+        if not 0 <= rank < world_size:
+            raise ValueError(f"rank must be in [0, {world_size}), got {rank}")
+        if num_records < 1:
+            raise ValueError("the dataset is empty")
+        self.num_records, self.seed, self.rank, self.world_size = num_records, seed, rank, world_size
+        self.shuffle, self.drop_last = shuffle, drop_last
+        self.epoch = 0
+
+    def set_epoch(self, epoch: int) -> None:
+        self.epoch = epoch
+
+    def __len__(self) -> int:
+        if self.drop_last:
+            return self.num_records // self.world_size
+        return -(-self.num_records // self.world_size)
+
+    def __iter__(self) -> Iterator[int]:
+        if self.shuffle:
+            generator = torch.Generator().manual_seed(self.seed * 1_000_003 + self.epoch)
+            order = torch.randperm(self.num_records, generator=generator)
+        else:
+            order = torch.arange(self.num_records)
+        total = len(self) * self.world_size
+        if total > order.numel():
+            order = torch.cat((order, order[: total - order.numel()]))
+        return iter(order[:total][self.rank :: self.world_size].tolist())
+
+
+# --- logits from stored hidden states ----------------------------------------------------------------
+def next_token_logits(hidden: torch.Tensor, norm_weight: torch.Tensor, lm_head_weight: torch.Tensor,
+                      eps: float) -> torch.Tensor:
+    """The target's next-token logits from pre-norm hidden states [..., H]: RMSNorm then lm_head, fp32.
+
+    The norm is computed in fp32 and cast back to the weights' dtype before the weight multiply, as the Hugging
+    Face Llama files do.
+    """
+    dtype = norm_weight.dtype
+    x = hidden.float()
+    x = x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + eps)
+    x = norm_weight * x.to(dtype)
+    return (x @ lm_head_weight.to(x.dtype).T).float()
+
+
+class TargetHead(torch.nn.Module):
+    """The target's frozen final norm and lm_head, read alone from its checkpoint (no other weights loaded)."""
+
+    NORM_KEYS = ("model.norm.weight",)
+    HEAD_KEYS = ("lm_head.weight",)
+    TIED_KEYS = ("model.embed_tokens.weight",)
+
+    def __init__(self, norm_weight: torch.Tensor, lm_head_weight: torch.Tensor, eps: float) -> None:
+        super().__init__()
+        self.register_buffer("norm_weight", norm_weight)
+        self.register_buffer("lm_head_weight", lm_head_weight)
+        self.eps = eps
+
+    @classmethod
+    def from_pretrained(cls, model_dir: str | Path, dtype: torch.dtype = torch.float32) -> "TargetHead":
+        model_dir = Path(model_dir)
+        config = json.loads((model_dir / "config.json").read_text())
+        eps = config.get("rms_norm_eps", 1e-6)
+        head_keys = cls.HEAD_KEYS + (cls.TIED_KEYS if config.get("tie_word_embeddings", False) else ())
+        norm = head = None
+        for file in safetensors_files(model_dir):
+            with safe_open(str(file), framework="pt") as f:
+                keys = set(f.keys())
+                norm = next((f.get_tensor(k) for k in cls.NORM_KEYS if k in keys), norm)
+                if head is None or "lm_head.weight" in keys:
+                    head = next((f.get_tensor(k) for k in head_keys if k in keys), head)
+        if norm is None or head is None:
+            raise ValueError(f"{model_dir}: checkpoint has no final norm or lm_head/embedding weights")
+        return cls(norm.to(dtype), head.to(dtype), eps).requires_grad_(False)
+
+    def forward(self, hidden: torch.Tensor) -> torch.Tensor:
+        return next_token_logits(hidden, self.norm_weight, self.lm_head_weight, self.eps)
