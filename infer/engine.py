@@ -282,8 +282,11 @@ class Engine:
         if self.drafter is None:
             return False
         k = self.num_draft_tokens
+        if len(scheduled) * (k + 1) > self.config.max_num_batched_tokens:  # the verify forward's size
+            return False
         if any(
             r.num_tokens - r.num_computed != 1  # not a plain decode (a prefill chunk)
+            or r.draft_carry is None  # the drafter has not seen this request yet
             or r.draft_computed != self.drafter.catch_up_end(r)  # the drafter lags (it ran out of pages)
             or r.num_tokens + k >= self.max_model_len
             for r, _ in scheduled

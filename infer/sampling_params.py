@@ -15,7 +15,10 @@ class SamplingParams:
     top_k: int = 0  # 0 or -1: disabled
     top_p: float = 1.0  # 1.0: disabled
     max_new_tokens: int = 128
-    seed: int | None = None  # per-request seed: the same seed reproduces the same tokens whatever the batch
+    # Per-request seed: the same seed reproduces the same tokens whatever the batch. With speculative decoding,
+    # whether a step speculates depends on the batch (a prefill in it does not), so a seed reproduces a run for
+    # the same prompts and arrivals; the output distribution is the target's either way.
+    seed: int | None = None
     stop: tuple[str, ...] = ()  # stop strings (the engine handles them)
     stop_token_ids: tuple[int, ...] | None = None  # None: the model's eos ids
     ignore_eos: bool = False

@@ -177,7 +177,7 @@ def speculative_step(engine: "Engine", requests: list["Request"]) -> list["Reque
     # Verify: the last emitted token and the K drafts, at positions num_computed .. num_computed + K.
     start = time.perf_counter()
     first = [r.num_computed for r in requests]
-    verify_ids = torch.cat((torch.tensor([r.output_ids[-1] for r in requests])[:, None], draft_ids.cpu()), dim=1)
+    verify_ids = torch.cat((torch.tensor([r.token_ids[-1] for r in requests])[:, None], draft_ids.cpu()), dim=1)
     meta = build_page_metadata([r.page_table.pages for r in requests], [k + 1] * len(requests),
                                [n + k + 1 for n in first], engine.config.page_size, engine.device)
     out = engine.runner.run(verify_ids.flatten().to(engine.device), meta)

@@ -118,8 +118,9 @@ class MTPHead(nn.Module):
         """input_ids [T] are t_{i+1}, hidden_states [T, H] are h_i, positions [T] are i."""
         assert self.shared is not None, "attach() the target's weights first"
         assert hidden_states is not None, "the head needs the target's hidden states"
-        emb = self.enorm(self.shared.embed_tokens(input_ids))
-        x = self.eh_proj(torch.cat((emb, self.hnorm(hidden_states.to(emb.dtype))), dim=-1))
+        dtype = self.eh_proj.weight.dtype  # the head may run in another precision than the target
+        emb = self.enorm(self.shared.embed_tokens(input_ids).to(dtype))
+        x = self.eh_proj(torch.cat((emb, self.hnorm(hidden_states.to(dtype))), dim=-1))
         cos, sin = self.rotary_emb(positions)
         if not self.mla:  # Llama rotates half-split pairs, DeepSeek interleaved ones
             cos, sin = half_split_cos_sin(cos, sin)
@@ -129,7 +130,7 @@ class MTPHead(nn.Module):
     def compute_logits(self, hidden_states: torch.Tensor, indices: torch.Tensor | None = None) -> torch.Tensor:
         if indices is not None:
             hidden_states = hidden_states[indices]
-        return self.shared.lm_head(self.final_norm(hidden_states)).float()
+        return self.shared.lm_head(self.final_norm(hidden_states).to(self.shared.lm_head.weight.dtype)).float()
 
     # --- KV cache: one layer (Llama: K/V pages; DeepSeek-V2: latent and rope-key pages) ----------
     def allocate_kv_cache(self, num_pages: int, page_size: int, dtype: torch.dtype, device: torch.device) -> list:

@@ -1,0 +1,229 @@
+"""The MTP head folder format and how a head binds to its target: round trip, contents, refusals, shared tensors."""
+
+from __future__ import annotations
+
+import copy
+import json
+from pathlib import Path
+
+import pytest
+import torch
+from safetensors import safe_open
+from safetensors.torch import load_file, save_file
+from transformers import LlamaConfig
+
+from infer.engine import Engine, EngineConfig
+from infer.models.llama import LlamaForCausalLM
+from infer.models.mtp_head import HeadLoadError, MTPHead, init_head_from_target, load_head, save_head
+from infer.sampling_params import SamplingParams
+from tests.test_speculative import packed_prefill
+
+pytestmark = pytest.mark.usefixtures("one_torch_thread")
+
+PROMPTS = [[1, 403, 407, 261, 378], [1, 420], [1, 300, 301, 302, 303, 304, 305, 306, 307, 308, 309, 310]]
+
+
+def trained_like(head: MTPHead, seed: int) -> MTPHead:
+    """Perturb every parameter of a head so a round trip cannot pass by re-deriving the weights from the target."""
+    gen = torch.Generator().manual_seed(seed)
+    with torch.no_grad():
+        for param in head.parameters():
+            param.add_(torch.randn(param.shape, generator=gen) * 0.05)
+    return head
+
+
+def tiny_llama(vocab_size: int = 512, hidden_size: int = 64, seed: int = 0) -> LlamaForCausalLM:
+    """A random Llama (infer's) of stories260K's shape by default: a different target with the same vocab/hidden."""
+    torch.manual_seed(seed)
+    config = LlamaConfig(vocab_size=vocab_size, hidden_size=hidden_size, intermediate_size=96, num_hidden_layers=2,
+                         num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=128,
+                         tie_word_embeddings=True)
+    return LlamaForCausalLM(config).eval().requires_grad_(False)
+
+
+@pytest.fixture(scope="module", params=["mtp", "eagle1"])
+def saved_head(request, stories_model, tmp_path_factory) -> tuple[MTPHead, Path]:
+    head = trained_like(init_head_from_target(stories_model, "stories260K", architecture=request.param), seed=1)
+    return head, save_head(head, tmp_path_factory.mktemp(request.param) / "head")
+
+
+@pytest.fixture
+def head_copy(saved_head, tmp_path) -> Path:
+    """A copy of the saved folder that a test may damage."""
+    _, path = saved_head
+    copy_path = tmp_path / "head"
+    copy_path.mkdir()
+    for file in path.iterdir():
+        (copy_path / file.name).write_bytes(file.read_bytes())
+    return copy_path
+
+
+def test_round_trip_gives_identical_drafts_through_the_engine(saved_head, stories_model, stories_tokenizer):
+    """Two engines, one with the head in memory and one with it loaded from disk, stepped in lockstep: the drafter's
+    carried logits of every request are bitwise equal after every step, and so are outputs and acceptance."""
+    head, path = saved_head
+    loaded = load_head(path, stories_model)
+    engines = []
+    for drafter in (head, loaded):
+        engine = Engine(stories_model, stories_tokenizer, [2], EngineConfig(num_draft_tokens=3, backend="torch",
+                                                                            page_size=16, num_pages=64))
+        engine.attach_drafter("mtp", drafter)
+        engines.append(engine)
+    params = SamplingParams(max_new_tokens=16, stop_token_ids=(1,))
+    requests = [[engine.add_request(p, params) for p in PROMPTS] for engine in engines]
+
+    steps = 0
+    while engines[0].has_unfinished():
+        for engine in engines:
+            engine.step()
+        steps += 1
+        for ours, theirs in zip(*requests):
+            assert ours.draft_computed == theirs.draft_computed
+            if not ours.finished:
+                assert torch.equal(ours.draft_carry[0], theirs.draft_carry[0]), f"step {steps}"
+
+    assert not engines[1].has_unfinished()
+    assert [r.output_ids for r in requests[0]] == [r.output_ids for r in requests[1]]
+    assert engines[0].spec_stats.verify_steps > 0
+    assert engines[0].spec_stats.accepted_length_histogram == engines[1].spec_stats.accepted_length_histogram
+    for name, tensor in head.state_dict().items():
+        assert torch.equal(tensor, loaded.state_dict()[name]), name
+    assert loaded.config == head.config
+
+
+def test_folder_holds_config_and_weights_without_the_targets_tensors(saved_head, stories_model):
+    head, path = saved_head
+
+    assert sorted(p.name for p in path.iterdir()) == ["config.json", "model.safetensors"]
+    assert not [p.name for p in path.parent.iterdir() if p.name != path.name], "save left temporary folders behind"
+    with safe_open(str(path / "model.safetensors"), framework="pt") as f:
+        keys = set(f.keys())
+        shapes = {key: tuple(f.get_slice(key).get_shape()) for key in keys}
+    assert not [k for k in keys if "embed" in k or "lm_head" in k]
+    vocab, hidden = stories_model.config.vocab_size, stories_model.config.hidden_size
+    assert not [k for k, shape in shapes.items() if vocab in shape], "a vocabulary-sized tensor was saved"
+    assert keys == set(head.state_dict())
+    expected = {"eh_proj.weight", "layer.self_attn.qkv_proj.weight", "layer.self_attn.o_proj.weight",
+                "layer.mlp.gate_up_proj.weight", "layer.mlp.down_proj.weight", "layer.input_layernorm.weight",
+                "layer.post_attention_layernorm.weight"}
+    if head.config.architecture == "mtp":
+        expected |= {"enorm.weight", "hnorm.weight", "final_norm.weight"}
+    else:  # eagle1: no norms, a biased projection
+        expected |= {"eh_proj.bias"}
+    assert keys == expected
+    assert shapes["eh_proj.weight"] == (hidden, 2 * hidden)
+    config = json.loads((path / "config.json").read_text())
+    assert config["target"]["name"] == "stories260K" and config["architecture"] == head.config.architecture
+    assert (config["vocab_size"], config["hidden_size"]) == (vocab, hidden)
+
+
+def test_saving_over_an_existing_head_replaces_it(saved_head, stories_model, tmp_path):
+    head, _ = saved_head
+    path = save_head(init_head_from_target(stories_model, "stories260K"), tmp_path / "head")
+    save_head(head, path)
+
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["head"]
+    loaded = load_head(path, stories_model)
+    assert torch.equal(loaded.eh_proj.weight, head.eh_proj.weight)
+
+
+def test_head_uses_the_targets_tensors_in_place(saved_head, stories_model):
+    head, path = saved_head
+    embed, lm_head = stories_model.model.embed_tokens.weight, stories_model.lm_head.weight
+
+    for h in (head, load_head(path, stories_model), init_head_from_target(stories_model, "stories260K")):
+        assert h.shared.embed_tokens.weight.data_ptr() == embed.data_ptr()
+        assert h.shared.lm_head.weight.data_ptr() == lm_head.data_ptr()
+        # Referenced, not registered: no copy in the head's parameters, state dict, or `.to()` conversions.
+        assert all(p.data_ptr() not in (embed.data_ptr(), lm_head.data_ptr()) for p in h.parameters())
+        assert not [k for k in h.state_dict() if "embed" in k or "lm_head" in k]
+
+
+def test_head_against_another_target_is_refused_naming_the_config(saved_head, stories_model):
+    _, path = saved_head
+    config_file = str(path / "config.json")
+    other_embedding = copy.deepcopy(stories_model)
+    with torch.no_grad():
+        other_embedding.model.embed_tokens.weight[7] += 1e-3  # one row, slightly: still another target
+    others = {
+        "modified embedding": other_embedding,
+        "same shape, other weights": tiny_llama(),
+        "other hidden size": tiny_llama(hidden_size=32),
+        "other vocabulary": tiny_llama(vocab_size=256),
+    }
+
+    for name, target in others.items():
+        with pytest.raises(HeadLoadError, match="config.json") as err:
+            load_head(path, target)
+        assert config_file in str(err.value), name
+
+
+@pytest.mark.parametrize("missing", ["config.json", "model.safetensors"])
+def test_missing_file_is_named(head_copy, stories_model, missing):
+    (head_copy / missing).unlink()
+
+    with pytest.raises(HeadLoadError) as err:
+        load_head(head_copy, stories_model)
+    assert str(head_copy / missing) in str(err.value)
+
+
+def test_missing_folder_is_named(stories_model, tmp_path):
+    with pytest.raises(HeadLoadError, match="config.json"):
+        load_head(tmp_path / "nowhere", stories_model)
+
+
+@pytest.mark.parametrize("damage", ["not json", "unknown field", "future format"])
+def test_bad_config_is_refused_naming_it(head_copy, stories_model, damage):
+    config_file = head_copy / "config.json"
+    config = json.loads(config_file.read_text())
+    if damage == "not json":
+        config_file.write_text("{ not json")
+    else:
+        config["surprise" if damage == "unknown field" else "format_version"] = 99
+        config_file.write_text(json.dumps(config))
+
+    with pytest.raises(HeadLoadError) as err:
+        load_head(head_copy, stories_model)
+    assert str(config_file) in str(err.value)
+
+
+@pytest.mark.parametrize("damage", ["embedding saved with the head", "tensor missing"])
+def test_bad_weights_are_refused_naming_them(head_copy, stories_model, damage):
+    weights_file = head_copy / "model.safetensors"
+    state = load_file(str(weights_file))
+    if damage == "tensor missing":
+        del state["eh_proj.weight"]
+    else:
+        state["embed_tokens.weight"] = stories_model.model.embed_tokens.weight.clone()
+    save_file(state, str(weights_file))
+
+    with pytest.raises(HeadLoadError) as err:
+        load_head(head_copy, stories_model)
+    assert str(weights_file) in str(err.value)
+
+
+@pytest.mark.parametrize("kind", ["draft", "mtp"])
+def test_attach_drafter_refuses_another_vocabulary(stories_model, stories_tokenizer, kind):
+    other = tiny_llama(vocab_size=256)
+    drafter = other if kind == "draft" else init_head_from_target(other, "tiny")
+    engine = Engine(stories_model, stories_tokenizer, [2], EngineConfig(backend="torch", num_pages=8))
+
+    with pytest.raises(ValueError, match="vocabulary"):
+        engine.attach_drafter(kind, drafter)
+    assert engine.drafter is None
+
+
+def test_head_loaded_in_another_dtype_runs_or_is_refused(stories_model, tmp_path):
+    """load_head takes a dtype: a head it returns must run against its target (here fp32 with a bf16 head),
+    with logits close to the fp32 head's; refusing the dtype at load (ValueError) is the other acceptable answer."""
+    head = trained_like(init_head_from_target(stories_model, "stories260K"), seed=2)
+    path = save_head(head, tmp_path / "head")
+    try:
+        loaded = load_head(path, stories_model, dtype=torch.bfloat16)
+    except ValueError:
+        return
+    prompt = PROMPTS[0]
+    hidden = packed_prefill(stories_model, [prompt]).hidden_states
+    want = packed_prefill(head, [prompt[1:] + [300]], hidden).logits
+    got = packed_prefill(loaded, [prompt[1:] + [300]], hidden).logits  # raises today: fp32 embedding, bf16 weights
+    assert (got.float() - want).abs().max() <= 0.05 * (want.max() - want.min())
