@@ -1,0 +1,19 @@
+"""Training MTP / EAGLE-1 draft heads for the runtime in infer/ (the head trained is infer's MTPHead itself).
+
+One job per file:
+  target.py        the target's config and its frozen shared tensors (embedding, lm_head, final norm), read by name
+  heads.py         the head from conf/head (mtp | eagle1, norm switches) and its documented initialisation
+  data.py          micro batches of precomputed features, the train/eval split, the unroll's index plan (the shift)
+  losses.py        chunked KL / CE (fused with lm_head) and SmoothL1 on features
+  unroll.py        the training forward: the head applied K times on its own hidden states
+  trainer.py       DeepSpeed engine, AdamW + warmup/cosine, the step, evaluation, the run
+  checkpoint.py    DeepSpeed checkpoints and resume; the exported head folder
+  metrics.py       tqdm, metrics.jsonl, wandb
+  dist.py          torchrun / single-process setup (gloo on CPU, nccl on GPU)
+  train.py         the Hydra entry point (conf/config.yaml)
+  inspect.py       parameter counts and memory per GPU of any config, without weights
+  measure_step.py  peak memory of one real-shaped training step (random weights)
+  validate.py      the head served by infer/: acceptance, tau, speedup, recomputed loss (also called by the trainer)
+  plots.py         PNG plots of acceptance, accepted lengths and training curves
+  export.py        the head in the runtime, SGLang NextN and EAGLE layouts, and back
+"""

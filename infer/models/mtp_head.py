@@ -155,11 +155,16 @@ class MTPHead(nn.Module):
         return dict(num_heads=attn.num_heads, num_kv_heads=attn.num_kv_heads, head_dim=attn.head_dim, mla_dims=None)
 
 
-def shared_tensors_sha256(embed: torch.Tensor, lm_head: torch.Tensor) -> str:
-    """Identity of the target's shared tensors: a head trained against one target refuses another."""
+def shared_tensors_sha256(embed: torch.Tensor, lm_head: torch.Tensor, rows: int = 4096) -> str:
+    """Identity of the target's shared tensors: a head trained against one target refuses another.
+
+    Hashed as bfloat16, so a target served in bf16 and the fp32 checkpoint it came from agree; a block of
+    rows at a time, so a 128k-row table never gets a full copy.
+    """
     digest = hashlib.sha256()
     for tensor in (embed, lm_head):
-        digest.update(tensor.detach().float().cpu().contiguous().numpy().tobytes())
+        for block in tensor.detach().split(rows):
+            digest.update(block.to(torch.bfloat16).view(torch.int16).cpu().contiguous().numpy().tobytes())
     return digest.hexdigest()
 
 

@@ -1,0 +1,157 @@
+"""Micro batches from precomputed features, and the index plan of the multi-step unroll.
+
+A micro batch packs `micro_batch_size` records (each cut to `seq_len` tokens) without padding. Its n-th
+micro batch on a rank is a pure function of (seed, n): epoch n // per_epoch of an `EpochSampler`, slice
+n % per_epoch. The trainer asks for micro batch step * grad_accum + a, so a resumed run, which knows only its
+step count, reads exactly the records the uninterrupted run would have read.
+
+The shift (record of L tokens t_0..t_{L-1}, stored target states h_0..h_{L-1}; h_j predicts t_{j+1}):
+  unroll step k = 0..K-1, head position i = 0..L-2-k (L-1-k positions):
+    token input        t_{i+1+k}
+    hidden input       h_i for k = 0; the head's own output at position i of step k-1 otherwise
+    position           i + k (where the runtime's drafter puts it)
+    targets            the target's distribution at i+1+k (softmax(lm_head(norm(h_{i+1+k})))), its argmax,
+                       and h_{i+1+k} for the feature loss
+    trained when       loss_mask[i+1+k]: the token fed in is an assistant token
+Step k's positions only see step k's own keys (causal per record): a simplification of inference, where the
+draft at step k also sees the keys step 0 wrote for earlier positions.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+
+from data_tools.features import EpochSampler, FeatureDataset
+
+
+class FeatureError(ValueError):
+    """Features that cannot train this head; the message names the folder and the mismatch."""
+
+
+@dataclass
+class PackedBatch:
+    input_ids: torch.Tensor  # [T] the records' tokens, concatenated
+    hidden_states: torch.Tensor  # [T, H] the target's pre-norm last-layer states
+    loss_mask: torch.Tensor  # [T] bool
+    seq_lens: list[int]
+    record_ids: list[int]  # dataset indices, for logging the data order
+
+    @property
+    def num_tokens(self) -> int:
+        return int(self.input_ids.numel())
+
+    def to(self, device: torch.device, dtype: torch.dtype) -> "PackedBatch":
+        return PackedBatch(self.input_ids.to(device), self.hidden_states.to(device, dtype), self.loss_mask.to(device),
+                           self.seq_lens, self.record_ids)
+
+
+@dataclass
+class UnrollStep:
+    token_index: torch.Tensor  # [T_k] into the packed batch: t_{i+1+k}, h_{i+1+k}, loss_mask[i+1+k]
+    prev_index: torch.Tensor  # [T_k] into the previous step's hidden states (step 0: the packed h_i)
+    positions: torch.Tensor  # [T_k] i + k
+    seq_lens: list[int]  # per record with positions left at this step
+
+
+def unroll_plan(seq_lens: list[int], num_steps: int, device: torch.device | str = "cpu") -> list[UnrollStep]:
+    steps: list[UnrollStep] = []
+    prev_offsets = [sum(seq_lens[:r]) for r in range(len(seq_lens))]  # step 0 reads h_i from the packed batch
+    for k in range(num_steps):
+        token_index, prev_index, positions, lens, offsets = [], [], [], [], []
+        out = 0
+        for r, length in enumerate(seq_lens):
+            n = length - 1 - k
+            if n <= 0:
+                offsets.append(None)
+                continue
+            start = sum(seq_lens[:r])
+            i = torch.arange(n)
+            token_index.append(start + i + 1 + k)
+            prev_index.append(prev_offsets[r] + i)
+            positions.append(i + k)
+            lens.append(n)
+            offsets.append(out)
+            out += n
+        if not lens:
+            break
+        steps.append(UnrollStep(torch.cat(token_index).to(device), torch.cat(prev_index).to(device),
+                                torch.cat(positions).to(device), lens))
+        prev_offsets = offsets
+    return steps
+
+
+def step_token_counts(batch: PackedBatch, num_steps: int) -> torch.Tensor:
+    """[num_steps] trained positions per unroll step (the loss's normaliser, summed over ranks and micro batches)."""
+    counts = torch.zeros(num_steps)
+    for k, step in enumerate(unroll_plan(batch.seq_lens, num_steps)):
+        counts[k] = batch.loss_mask[step.token_index].sum()
+    return counts
+
+
+def open_features(path: str | Path, hidden_size: int) -> FeatureDataset:
+    path = Path(path)
+    if not (path / "manifest.json").is_file():
+        raise FeatureError(f"features_dir={path}: no manifest.json (run python -m data_tools.precompute first)")
+    dataset = FeatureDataset(path)
+    stored = int(dataset.manifest["hidden_size"])
+    if stored != hidden_size:
+        raise FeatureError(
+            f"{path}: features have hidden size {stored} but the target has {hidden_size}: they were precomputed "
+            f"for another model ({dataset.manifest.get('model', {}).get('path')})"
+        )
+    return dataset
+
+
+def split_records(num_records: int, eval_records: int, seed: int) -> tuple[list[int], list[int]]:
+    """A held-out split fixed by the seed: (train indices, eval indices), both sorted."""
+    if not 0 <= eval_records < num_records:
+        raise FeatureError(f"data.eval_records={eval_records} must be in [0, {num_records}) for {num_records} records")
+    order = torch.randperm(num_records, generator=torch.Generator().manual_seed(seed)).tolist()
+    return sorted(order[eval_records:]), sorted(order[:eval_records])
+
+
+def collate(dataset: FeatureDataset, record_ids: list[int], seq_len: int) -> PackedBatch:
+    items = [dataset[i] for i in record_ids]
+    return PackedBatch(
+        input_ids=torch.cat([x["input_ids"][:seq_len] for x in items]),
+        hidden_states=torch.cat([x["hidden_states"][:seq_len] for x in items]),
+        loss_mask=torch.cat([x["loss_mask"][:seq_len] for x in items]),
+        seq_lens=[min(len(x["input_ids"]), seq_len) for x in items],
+        record_ids=list(record_ids),
+    )
+
+
+class MicroBatches:
+    """This rank's n-th training micro batch, for any n (epochs follow one another, each reshuffled)."""
+
+    def __init__(self, dataset: FeatureDataset, indices: list[int], micro_batch_size: int, seq_len: int, seed: int,
+                 rank: int, world_size: int) -> None:
+        self.dataset, self.indices = dataset, indices
+        self.micro_batch_size, self.seq_len = micro_batch_size, seq_len
+        self.sampler = EpochSampler(len(indices), seed=seed, rank=rank, world_size=world_size, drop_last=True)
+        self.per_epoch = len(self.sampler) // micro_batch_size
+        if self.per_epoch < 1:
+            raise FeatureError(f"{len(indices)} training records cannot give each of {world_size} ranks a micro batch "
+                               f"of {micro_batch_size}")
+        self._epoch, self._order = -1, []
+
+    def __call__(self, n: int) -> PackedBatch:
+        epoch, j = divmod(n, self.per_epoch)
+        if epoch != self._epoch:
+            self.sampler.set_epoch(epoch)
+            self._epoch, self._order = epoch, list(self.sampler)
+        chosen = self._order[j * self.micro_batch_size : (j + 1) * self.micro_batch_size]
+        return collate(self.dataset, [self.indices[i] for i in chosen], self.seq_len)
+
+
+def eval_batches(dataset: FeatureDataset, indices: list[int], micro_batch_size: int, seq_len: int, rank: int,
+                 world_size: int) -> list[PackedBatch]:
+    """This rank's share of the held-out records (equal counts on every rank: a few records may repeat)."""
+    if not indices:
+        return []
+    sampler = EpochSampler(len(indices), rank=rank, world_size=world_size, shuffle=False)
+    mine = [indices[i] for i in sampler]
+    return [collate(dataset, mine[s : s + micro_batch_size], seq_len) for s in range(0, len(mine), micro_batch_size)]

@@ -1,0 +1,144 @@
+"""Build the head to train from the config: infer's `MTPHead` itself, so the runtime serves the trained function.
+
+Architectures (conf/head/*.yaml; each norm and the projection bias can still be overridden to measure them):
+  mtp     h'_i = layer(W [enorm(Emb(t_{i+1})); hnorm(h_i)]), final_norm, then the target's lm_head
+  eagle1  h'_i = layer(W [Emb(t_{i+1}); h_i] + b), no norms, as EAGLE-1
+The decoder layer is of the target's kind: a Llama layer, or for DeepSeek-V2 an MLA layer with a dense MLP.
+
+Initialisation (`head.init`):
+  eh_proj     [0 | I] (and a zero bias): the head starts by passing h_i through and ignoring the token. The
+              token half still gets gradients at once (they are proportional to the embedding, not to W), and
+              the starting head is exactly infer's `init_head_from_target` drafter: a real, weak guess, so the
+              first losses are finite and meaningful instead of those of a random function. (With hnorm on, the
+              layer sees h_i at unit RMS; its own input_layernorm makes the scale irrelevant to attention/MLP.)
+  layer       from_target_last_layer: a copy of the target's last decoder layer, read by name from its
+              safetensors (DeepSeek-V2: attention of the last layer, the dense MLP of the first dense layer,
+              since the last layer is MoE); random: N(0, initializer_range) weights, zero biases, unit norms.
+  final_norm  the target's final norm weight (from_target_last_layer), else ones; enorm/hnorm: ones.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import torch
+from omegaconf import DictConfig
+from torch import nn
+from transformers import PretrainedConfig
+
+from infer.models.mtp_head import MTPHead, MTPHeadConfig
+from mtp_train.target import Target, TargetError, read_tensors, shared_tensors_sha256  # noqa: F401 - re-exported
+
+ARCHITECTURES = ("mtp", "eagle1")
+INITS = ("from_target_last_layer", "random")
+LLAMA_DECODER_KEYS = ("hidden_size", "intermediate_size", "num_attention_heads", "num_key_value_heads", "head_dim",
+                      "rms_norm_eps", "max_position_embeddings", "attention_bias", "mlp_bias", "hidden_act")
+DEEPSEEK_DECODER_KEYS = ("hidden_size", "intermediate_size", "num_attention_heads", "num_key_value_heads",
+                         "q_lora_rank", "kv_lora_rank", "qk_nope_head_dim", "qk_rope_head_dim", "v_head_dim",
+                         "rms_norm_eps", "max_position_embeddings", "attention_bias", "hidden_act")
+
+
+class HeadConfigError(ValueError):
+    """A head config that cannot be built; the message names the field."""
+
+
+def decoder_type(config: PretrainedConfig) -> str:
+    if config.model_type not in ("llama", "deepseek_v2"):
+        raise HeadConfigError(f"no head decoder for model_type {config.model_type!r} (llama, deepseek_v2)")
+    return config.model_type
+
+
+def head_config(config: PretrainedConfig, head_cfg: DictConfig, target_identity: dict) -> MTPHeadConfig:
+    """MTPHeadConfig for a target config and a conf/head entry."""
+    if head_cfg.architecture not in ARCHITECTURES:
+        raise HeadConfigError(f"head.architecture={head_cfg.architecture!r}: unknown head, choose one of {ARCHITECTURES}")
+    if head_cfg.init not in INITS:
+        raise HeadConfigError(f"head.init={head_cfg.init!r}: choose one of {INITS}")
+    kind = decoder_type(config)
+    keys = LLAMA_DECODER_KEYS if kind == "llama" else DEEPSEEK_DECODER_KEYS
+    decoder = {key: getattr(config, key) for key in keys if getattr(config, key, None) is not None}
+    if kind == "deepseek_v2":
+        decoder["q_lora_rank"] = config.q_lora_rank  # None (V2-Lite) is meaningful: a plain q_proj
+    decoder["rope_parameters"] = dict(config.rope_parameters) if getattr(config, "rope_parameters", None) else None
+    return MTPHeadConfig(
+        hidden_size=config.hidden_size, vocab_size=config.vocab_size, decoder=decoder,
+        enorm=bool(head_cfg.enorm), hnorm=bool(head_cfg.hnorm), final_norm=bool(head_cfg.final_norm),
+        proj_bias=bool(head_cfg.proj_bias), rms_norm_eps=float(config.rms_norm_eps),
+        architecture=str(head_cfg.architecture), target=target_identity, decoder_type=kind,
+    )
+
+
+def target_identity(target: Target, path: str) -> dict:
+    return {
+        "name": target.name, "path": path, "hidden_size": target.config.hidden_size,
+        "vocab_size": target.config.vocab_size,
+        "shared_tensors_sha256": target.shared_sha256,
+    }
+
+
+def build_head(target: Target, head_cfg: DictConfig, path: str, dtype: torch.dtype = torch.float32) -> MTPHead:
+    """The trainable head, initialised as documented above and attached to the target's shared tensors."""
+    config = head_config(target.config, head_cfg, target_identity(target, path))
+    head = MTPHead(config)
+    init_head(head, target, head_cfg.init, path)
+    return head.to(dtype).attach(target.shared)
+
+
+# --- initialisation ----------------------------------------------------------------------------------------
+def init_projection(head: MTPHead) -> None:
+    hidden = head.config.hidden_size
+    with torch.no_grad():
+        head.eh_proj.weight.zero_()
+        head.eh_proj.weight[:, hidden:] = torch.eye(hidden)
+        if head.eh_proj.bias is not None:
+            head.eh_proj.bias.zero_()
+
+
+def init_random(module: nn.Module, std: float) -> None:
+    for sub in module.modules():
+        if isinstance(sub, nn.Linear):
+            nn.init.normal_(sub.weight, std=std)
+            if sub.bias is not None:
+                nn.init.zeros_(sub.bias)
+        elif hasattr(sub, "weight") and sub.weight is not None and sub.weight.dim() == 1:  # RMSNorm
+            nn.init.ones_(sub.weight)
+
+
+def layer_state_from_checkpoint(path: str, config: PretrainedConfig, layer: nn.Module) -> dict[str, torch.Tensor]:
+    """The head layer's parameters from the target's checkpoint: the last layer (dense MLP: first dense layer).
+
+    Llama's checkpoint keeps q/k/v and gate/up apart; infer's layer fuses them (qkv_proj, gate_up_proj), so
+    those are concatenated in that order, as infer's loader places them."""
+    last = config.num_hidden_layers - 1
+    if decoder_type(config) == "llama":
+        sources = {name: [f"model.layers.{last}.{n}" for n in _checkpoint_names(name)] for name, _ in layer.named_parameters()}
+    else:
+        dense = 0  # DeepSeek-V2 layers before first_k_dense_replace are dense; the last one is MoE
+        sources = {name: [f"model.layers.{dense if name.startswith('mlp.') else last}.{name}"]
+                   for name, _ in layer.named_parameters()}
+    tensors = read_tensors(Path(path), {key for keys in sources.values() for key in keys}, torch.float32)
+    missing = sorted(key for keys in sources.values() for key in keys if key not in tensors)
+    if missing:
+        raise TargetError(f"{path}: checkpoint lacks {', '.join(missing[:4])} for head.init=from_target_last_layer")
+    return {name: torch.cat([tensors[key] for key in keys]) for name, keys in sources.items()}
+
+
+def _checkpoint_names(name: str) -> list[str]:
+    """A Llama layer parameter's checkpoint tensors, in row order (qkv_proj -> q, k, v; gate_up_proj -> gate, up)."""
+    for fused, parts in (("qkv_proj", ("q_proj", "k_proj", "v_proj")), ("gate_up_proj", ("gate_proj", "up_proj"))):
+        if f".{fused}." in name:
+            return [name.replace(fused, part) for part in parts]
+    return [name]
+
+
+def init_head(head: MTPHead, target: Target, init: str, path: str) -> None:
+    init_projection(head)
+    with torch.no_grad():
+        if init == "from_target_last_layer":
+            head.layer.load_state_dict(layer_state_from_checkpoint(path, target.config, head.layer))
+            if head.config.final_norm:
+                head.final_norm.weight.copy_(target.norm_weight)
+        else:
+            init_random(head.layer, float(getattr(target.config, "initializer_range", 0.02)))
+            if head.config.final_norm:
+                head.final_norm.weight.fill_(1.0)

@@ -1,0 +1,38 @@
+"""Train an MTP / EAGLE-1 head with DeepSpeed.
+
+    python -m mtp_train.train features_dir=DIR [model=stories260k] [head=mtp] [trainer=zero2] [key=value ...]
+    torchrun --standalone --nproc_per_node 8 -m mtp_train.train model=llama3_1_8b model.path=DIR features_dir=DIR
+    python -m mtp_train.train model=llama3_1_70b --cfg job        # print the composed config and exit
+    launch/train.sh ...                                           # torchrun for one node or many (see launch/)
+
+Outputs in output_dir: checkpoints/ (DeepSpeed, resumable), head/ (infer's head folder), metrics.jsonl,
+summary.json.
+"""
+
+from __future__ import annotations
+
+import sys
+from pathlib import Path
+
+import hydra
+from omegaconf import DictConfig
+
+CONF_DIR = str(Path(__file__).resolve().parents[1] / "conf")
+
+
+@hydra.main(config_path=CONF_DIR, config_name="config", version_base=None)
+def main(cfg: DictConfig) -> None:
+    from mtp_train import dist  # noqa: PLC0415 - keep `--cfg job` free of torch/DeepSpeed start-up
+    from mtp_train.trainer import USER_ERRORS, Trainer  # noqa: PLC0415
+
+    try:
+        Trainer(cfg).fit()
+    except USER_ERRORS as err:  # a config or data mistake: one line, no traceback
+        print(f"error: {err}", file=sys.stderr)
+        raise SystemExit(2) from err
+    finally:
+        dist.shutdown()
+
+
+if __name__ == "__main__":
+    sys.exit(main())

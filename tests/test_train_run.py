@@ -1,0 +1,153 @@
+"""End-to-end DeepSpeed runs on stories260K features (CPU, gloo): one process against two (ZeRO-2) with the same
+global batch, a kill and a resume against an uninterrupted run, the loss falling, the frozen tensors untouched
+and absent from checkpoints, and the exported head served by the runtime."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+from mtp_train.data import FeatureError, open_features
+
+ROOT = Path(__file__).resolve().parents[1]
+STEPS = 6
+COMMON = ["trainer=zero2", "trainer.dtype=float32", f"trainer.max_steps={STEPS}", "trainer.micro_batch_size=2",
+          "trainer.seq_len=128", "trainer.lr=3e-3", "trainer.warmup_steps=1", "trainer.eval_every=3",
+          "trainer.save_every=2", "trainer.progress=false", "eval_records=8", "loss.unroll_steps=2",
+          "loss.ce=0.1", "loss.feature=0.1", "loss.chunk_tokens=64"]
+
+
+def _env(**extra) -> dict:
+    env = dict(os.environ, DS_ACCELERATOR="cpu", OMP_NUM_THREADS="1", **extra)
+    for key in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT"):
+        env.pop(key, None)
+    return env
+
+
+def _train(out: Path, features: Path, model: Path, extra=(), nproc: int = 1, env=None, check=True):
+    env = env or _env()
+    if nproc > 1:  # through the launcher script, as a user runs it
+        launcher = ["bash", str(ROOT / "launch" / "train.sh")]
+        env.update(NPROC_PER_NODE=str(nproc), TORCHRUN=f"{sys.executable} -m torch.distributed.run")
+    else:
+        launcher = [sys.executable, "-m", "mtp_train.train"]
+    cmd = launcher + [f"features_dir={features}", f"output_dir={out}", f"model.path={model}", *COMMON, *extra]
+    result = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=240)
+    if check:
+        assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
+    return result
+
+
+def _records(out: Path) -> list[dict]:
+    return [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
+
+
+def _train_steps(out: Path) -> dict[int, dict]:
+    return {r["step"]: r for r in _records(out) if r["split"] == "train"}  # a resumed step's last record wins
+
+
+@pytest.fixture(scope="session")
+def features(tmp_path_factory, stories_hf_dir) -> Path:
+    """64 ShareGPT-dummy records through stories260K, by the data engineer's precompute CLI."""
+    out = tmp_path_factory.mktemp("features")
+    subprocess.run([sys.executable, "-m", "data_tools.precompute", f"output_dir={out}", "data=sharegpt_dummy",
+                    "data.limit=64", "precompute.dtype=float32", f"model.path={stories_hf_dir}", "--no-progress"],
+                   cwd=ROOT, env=_env(), check=True, capture_output=True, timeout=240)
+    return out
+
+
+@pytest.fixture(scope="session")
+def one_process(tmp_path_factory, features, stories_hf_dir) -> Path:
+    out = tmp_path_factory.mktemp("one_process")
+    _train(out, features, stories_hf_dir, ["trainer.grad_accum=2"])
+    return out
+
+
+def test_two_processes_zero2_match_one_process_with_the_same_global_batch(tmp_path, one_process, features,
+                                                                         stories_hf_dir):
+    _train(tmp_path, features, stories_hf_dir, ["trainer.grad_accum=1"], nproc=2)
+    one, two = _train_steps(one_process), _train_steps(tmp_path)
+    assert sorted(one) == sorted(two) == list(range(1, STEPS + 1))
+    for step in one:
+        for key in ("loss", "kl_0", "kl_1", "top1_0", "feature_1"):
+            assert two[step][key] == pytest.approx(one[step][key], rel=1e-4, abs=1e-6), (step, key)
+    evals = lambda out: [r for r in _records(out) if r["split"] == "eval"]  # noqa: E731
+    for a, b in zip(evals(one_process), evals(tmp_path)):
+        assert b["loss"] == pytest.approx(a["loss"], rel=1e-4)
+
+
+def test_kill_and_resume_continue_the_same_steps_and_data(tmp_path, one_process, features, stories_hf_dir):
+    killed = _train(tmp_path, features, stories_hf_dir, ["trainer.grad_accum=2"],
+                    env=_env(MTP_TRAIN_KILL_AFTER_STEP="3"), check=False)
+    assert killed.returncode != 0 and not (tmp_path / "head").exists()
+    assert (tmp_path / "checkpoints" / "latest").read_text().strip() == "step_2"
+    _train(tmp_path, features, stories_hf_dir, ["trainer.grad_accum=2"])
+    resumed, reference = _train_steps(tmp_path), _train_steps(one_process)
+    assert sorted(resumed) == list(range(1, STEPS + 1))
+    assert [r["step"] for r in _records(tmp_path) if r["split"] == "train"] == [1, 2, 3, 3, 4, 5, 6]
+    for step in range(1, STEPS + 1):
+        assert resumed[step]["records"] == reference[step]["records"]
+        assert resumed[step]["loss"] == pytest.approx(reference[step]["loss"], rel=1e-5)
+    assert json.loads((tmp_path / "summary.json").read_text())["steps"] == STEPS
+
+
+def test_loss_falls_and_per_step_agreement_is_reported(one_process):
+    evals = [r for r in _records(one_process) if r["split"] == "eval"]
+    assert [r["step"] for r in evals] == [0, 3, STEPS]
+    assert evals[-1]["loss"] < 0.8 * evals[0]["loss"]
+    assert evals[-1]["top1_0"] > evals[0]["top1_0"] and 0 <= evals[-1]["top1_1"] <= 1
+
+
+def test_frozen_tensors_untouched_and_absent_from_optimizer_and_checkpoints(one_process):
+    summary = json.loads((one_process / "summary.json").read_text())
+    assert summary["frozen_shared_sha256_start"] == summary["frozen_shared_sha256_end"]
+    assert not summary["frozen_requires_grad"]
+    ckpt = one_process / "checkpoints" / f"step_{STEPS}"
+    states = torch.load(ckpt / "mp_rank_00_model_states.pt", map_location="cpu", weights_only=False)
+    assert not any("embed" in k or "lm_head" in k for k in states["module"])
+    assert sum(v.numel() for v in states["module"].values()) == summary["trainable_params"]
+    optim = torch.load(next(ckpt.glob("*optim_states.pt")), map_location="cpu", weights_only=False)
+    fp32 = optim["optimizer_state_dict"]["single_partition_of_fp32_groups"]
+    assert summary["trainable_params"] <= sum(t.numel() for t in fp32) < summary["trainable_params"] + 64
+    assert summary["trainable_params"] < 60_000  # the 32,768-element embedding would show
+
+
+def test_exported_head_loads_in_the_runtime_and_drafts(one_process, stories_hf_dir):
+    from infer.engine import Engine  # noqa: PLC0415
+    from infer.sampling_params import SamplingParams  # noqa: PLC0415
+
+    engine = Engine.from_pretrained(stories_hf_dir, num_draft_tokens=2)
+    engine.load_drafter("mtp", one_process / "head")
+    [request] = engine.generate(["Once upon a time"], SamplingParams(max_new_tokens=24))
+    assert engine.spec_stats is not None and len(request.output_ids) > 0
+
+
+def test_features_for_another_hidden_size_are_refused(tmp_path, features):
+    manifest = json.loads((features / "manifest.json").read_text())
+    bad = tmp_path / "bad"
+    bad.mkdir()
+    for f in features.iterdir():
+        (bad / f.name).symlink_to(f)
+    (bad / "manifest.json").unlink()
+    (bad / "manifest.json").write_text(json.dumps({**manifest, "hidden_size": 128}))
+    with pytest.raises(FeatureError, match="features have hidden size 128 but the target has 64"):
+        open_features(bad, 64)
+    with pytest.raises(FeatureError, match="no manifest.json"):
+        open_features(tmp_path, 64)
+
+
+def test_zero3_bfloat16_run_exports_a_head_the_runtime_loads(tmp_path, features, stories_hf_dir, stories_model):
+    from infer.models.mtp_head import load_head  # noqa: PLC0415
+
+    _train(tmp_path, features, stories_hf_dir, ["trainer=zero3", "trainer.dtype=bfloat16", "trainer.max_steps=2",
+                                                "trainer.eval_every=0", "head=eagle1"])
+    head = load_head(tmp_path / "head", stories_model)
+    assert head.config.architecture == "eagle1" and head.eh_proj.bias is not None
+    assert json.loads((tmp_path / "head" / "config.json").read_text())["target"]["name"] == "stories260k"
+    assert _train_steps(tmp_path)[2]["loss"] > 0
