@@ -42,7 +42,7 @@ class Metrics:
             self.bar.update(record["step"] - self.bar.n)
             self.bar.set_postfix(loss=f"{record['loss']:.4f}", lr=f"{record['lr']:.2e}",
                                  tok_s=f"{record['tokens_per_s']:.0f}")
-        elif record.get("split") == "eval" or record["step"] % self.log_every == 0:  # plain lines without a bar
+        elif record.get("split") in ("eval", "validate") or record["step"] % self.log_every == 0:  # plain lines
             line = " ".join(f"{k}={v:.4g}" if isinstance(v, float) else f"{k}={v}"
                             for k, v in record.items() if k != "records")
             (self.bar.write if self.bar is not None else print)(line)

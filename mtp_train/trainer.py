@@ -19,6 +19,8 @@ from pathlib import Path
 import torch
 from omegaconf import DictConfig
 
+from infer.engine import Engine
+from infer.generate import read_prompt_file
 from infer.loader import ModelLoadError
 from infer.models.mtp_head import HeadLoadError
 from mtp_train import checkpoint, dist
@@ -27,6 +29,7 @@ from mtp_train.heads import HeadConfigError, build_head, shared_tensors_sha256
 from mtp_train.metrics import Metrics
 from mtp_train.target import TargetError, load_target
 from mtp_train.unroll import LossWeights, UnrolledHead
+from mtp_train.validate import validate_head
 
 DTYPES = {"bfloat16": torch.bfloat16, "float32": torch.float32}
 KILL_ENV = "MTP_TRAIN_KILL_AFTER_STEP"  # tests: SIGKILL this process right after that optimizer step
@@ -113,6 +116,7 @@ class Trainer:
             lr_scheduler=lambda opt: torch.optim.lr_scheduler.LambdaLR(opt, schedule),
         )
         self.step = checkpoint.resume(self.engine, t.checkpoint_dir, self.head) if t.resume else 0
+        self.served: Engine | None = None  # the target in infer/, for validation (rank 0, loaded on first use)
 
     # --- one optimizer step ----------------------------------------------------------------------------
     def normalisers(self, batches) -> torch.Tensor:
@@ -158,6 +162,39 @@ class Trainer:
         return {"split": "eval", "step": self.step, "loss": reduced[0].item(),
                 **per_step_means(reduced[1:].view(self.num_steps, 4), counts)}
 
+    def validate(self, trainer_top1: float | None) -> dict:
+        """The head as infer/ serves it, on rank 0: speculative decoding on held-out prompts (mtp_train.validate).
+
+        Training's top-1 agreement and the runtime's acceptance are logged side by side; a gap over 2 points is
+        flagged, since it means training and serving compute different functions (or see different text).
+        """
+        v = self.cfg.validate
+        if not v.enabled:
+            return {}
+        import deepspeed  # noqa: PLC0415
+
+        # Under ZeRO-3 every rank takes part in gathering the head's full parameters; elsewhere a no-op.
+        with deepspeed.zero.GatheredParameters(list(self.head.parameters())):
+            if self.rank != 0:
+                return {}
+            if self.served is None:  # the target through infer/, loaded once, in its serving precision
+                dtype = self.dtype if self.device.type == "cuda" else torch.float32
+                self.served = Engine.from_pretrained(str(self.cfg.model.path), dtype=dtype, device=str(self.device),
+                                                     num_pages=8, max_num_seqs=1)
+            prompts = read_prompt_file(Path(str(v.prompts))) if v.prompts else None
+            report = validate_head(
+                self.served, self.head, prompts, k=int(v.num_draft_tokens), temperatures=tuple(v.temperatures),
+                max_new_tokens=int(v.max_new_tokens), batch_size=int(v.batch_size), repeats=int(v.repeats),
+                trainer_top1=trainer_top1,
+            )
+        record = {"split": "validate", "step": self.step, "gap_flag": report["gap_flag"],
+                  "greedy_acceptance_0": report["greedy_acceptance_0"], "runtime_kl": report["head_loss"]["kl"]}
+        for run in report["runs"]:
+            t = f"T{run['temperature']:g}"
+            record.update({f"tau_{t}": run["tau"], f"speedup_{t}": run["speedup"],
+                           **{f"acceptance_{t}_{j}": a for j, a in enumerate(run["acceptance_per_position"])}})
+        return record
+
     # --- the run ------------------------------------------------------------------------------------------
     def fit(self) -> dict:
         t = self.cfg.trainer
@@ -169,13 +206,16 @@ class Trainer:
         while self.step < total:
             metrics.log(self.train_step())
             if eval_every and self.eval_set and self.step % eval_every == 0 and self.step < total:
-                metrics.log(self.evaluate())
+                record = self.evaluate()
+                metrics.log(record)
+                metrics.log(self.validate(record.get("top1_0")))
             if save_every and self.step % save_every == 0 and self.step < total:
                 checkpoint.save(self.engine, t.checkpoint_dir, self.step, self.head)
             if self.step == kill_after:
                 os.kill(os.getpid(), signal.SIGKILL)
         final_eval = self.evaluate() if self.eval_set else {}
         metrics.log(final_eval)
+        metrics.log(self.validate(final_eval.get("top1_0")))
         checkpoint.save(self.engine, t.checkpoint_dir, self.step, self.head)
         head_dir = checkpoint.export_head(self.head, self.out_dir / "head", self.rank, int(t.zero_stage))
         summary = self.summary(final_eval, head_dir)

@@ -104,6 +104,19 @@ def test_loss_falls_and_per_step_agreement_is_reported(one_process):
     assert evals[-1]["top1_0"] > evals[0]["top1_0"] and 0 <= evals[-1]["top1_1"] <= 1
 
 
+def test_each_evaluation_validates_the_head_in_the_runtime(one_process):
+    """Beside every evaluation after step 0, the head served by infer/ speculates: acceptance, tau, the gap flag."""
+    records = _records(one_process)
+    validations = [r for r in records if r["split"] == "validate"]
+    assert [r["step"] for r in validations] == [3, STEPS]
+    evals = {r["step"]: r for r in records if r["split"] == "eval"}
+    for v in validations:
+        assert 1.0 <= v["tau_T0"] <= 1.0 + 4 and 0.0 <= v["acceptance_T0_0"] <= 1.0
+        assert v["greedy_acceptance_0"] == v["acceptance_T0_0"]
+        gap = abs(evals[v["step"]]["top1_0"] - v["greedy_acceptance_0"])
+        assert v["gap_flag"] == (gap > 0.02)
+
+
 def test_frozen_tensors_untouched_and_absent_from_optimizer_and_checkpoints(one_process):
     summary = json.loads((one_process / "summary.json").read_text())
     assert summary["frozen_shared_sha256_start"] == summary["frozen_shared_sha256_end"]
