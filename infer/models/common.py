@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 
 import torch
@@ -23,6 +24,27 @@ class ModelOutput:
     logits: torch.Tensor | None
     hidden_states: torch.Tensor
     aux_hidden_states: dict[int, torch.Tensor] = field(default_factory=dict)
+
+
+def run_decoder_layers(
+    layers: nn.ModuleList, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, attn, kv_caches: list,
+    aux_layers: Sequence[int] = (),
+) -> tuple[torch.Tensor, dict[int, torch.Tensor]]:
+    """The decoder stack over a packed batch: the last layer's output and the outputs of `aux_layers`."""
+    aux: dict[int, torch.Tensor] = {}
+    for i, layer in enumerate(layers):
+        x = layer(x, cos, sin, attn, kv_caches[i])
+        if i in aux_layers:
+            aux[i] = x
+    return x, aux
+
+
+def final_logits(norm: nn.Module, lm_head: nn.Module, hidden_states: torch.Tensor,
+                 indices: torch.Tensor | None = None) -> torch.Tensor:
+    """Final norm + lm_head on the chosen rows of pre-norm hidden states; fp32 logits."""
+    if indices is not None:
+        hidden_states = hidden_states[indices]
+    return lm_head(norm(hidden_states)).float()
 
 
 class RMSNorm(nn.Module):

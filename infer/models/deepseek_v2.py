@@ -23,7 +23,9 @@ from transformers import PretrainedConfig
 from transformers.activations import ACT2FN
 
 from infer.attention import AttentionBackend
-from infer.models.common import ModelOutput, RMSNorm, RotaryEmbedding, apply_rope_interleaved
+from infer.models.common import (
+    ModelOutput, RMSNorm, RotaryEmbedding, apply_rope_interleaved, final_logits, run_decoder_layers,
+)
 
 # transformers-5 state dicts store each MoE layer's experts as two 3-D tensors.
 _FUSED_EXPERTS_KEY = re.compile(r"^(model\.layers\.\d+\.mlp\.experts)\.(gate_up_proj|down_proj)$")
@@ -278,19 +280,13 @@ class DeepseekV2ForCausalLM(nn.Module):
     ) -> ModelOutput:
         """input_ids, positions [T] packed; attn already planned for this step's page tables."""
         cos, sin = self.model.rotary_emb(positions)
-        x = self.model.embed_tokens(input_ids)
-        aux: dict[int, torch.Tensor] = {}
-        for i, layer in enumerate(self.model.layers):
-            x = layer(x, cos, sin, attn, kv_caches[i])
-            if i in aux_layers:
-                aux[i] = x
+        x, aux = run_decoder_layers(self.model.layers, self.model.embed_tokens(input_ids), cos, sin, attn, kv_caches,
+                                    aux_layers)
         return ModelOutput(self.compute_logits(x, logits_indices), x, aux)
 
     def compute_logits(self, hidden_states: torch.Tensor, indices: torch.Tensor | None = None) -> torch.Tensor:
         """Final norm + lm_head on the chosen rows of the pre-norm hidden states; fp32 logits."""
-        if indices is not None:
-            hidden_states = hidden_states[indices]
-        return self.lm_head(self.model.norm(hidden_states)).float()
+        return final_logits(self.model.norm, self.lm_head, hidden_states, indices)
 
     # --- KV cache: per layer the compressed latent and the rope key, not full K/V ----------------
     def kv_cache_shapes(self, num_pages: int, page_size: int) -> tuple[tuple[int, ...], tuple[int, ...]]:

@@ -16,7 +16,9 @@ from torch import nn
 from transformers import LlamaConfig
 
 from infer.attention import AttentionBackend
-from infer.models.common import ModelOutput, RMSNorm, RotaryEmbedding, apply_rope_half, half_split_cos_sin
+from infer.models.common import (
+    ModelOutput, RMSNorm, RotaryEmbedding, apply_rope_half, final_logits, half_split_cos_sin, run_decoder_layers,
+)
 
 
 def fused_rows(key: str, tensor: torch.Tensor, config: LlamaConfig) -> tuple:
@@ -120,19 +122,13 @@ class LlamaForCausalLM(nn.Module):
     ) -> ModelOutput:
         """input_ids, positions [T] packed; attn already planned for this step's page tables."""
         cos, sin = half_split_cos_sin(*self.model.rotary_emb(positions))
-        x = self.model.embed_tokens(input_ids)
-        aux: dict[int, torch.Tensor] = {}
-        for i, layer in enumerate(self.model.layers):
-            x = layer(x, cos, sin, attn, kv_caches[i])
-            if i in aux_layers:
-                aux[i] = x
+        x, aux = run_decoder_layers(self.model.layers, self.model.embed_tokens(input_ids), cos, sin, attn, kv_caches,
+                                    aux_layers)
         return ModelOutput(self.compute_logits(x, logits_indices), x, aux)
 
     def compute_logits(self, hidden_states: torch.Tensor, indices: torch.Tensor | None = None) -> torch.Tensor:
         """Final norm + lm_head on the chosen rows of the pre-norm hidden states; fp32 logits."""
-        if indices is not None:
-            hidden_states = hidden_states[indices]
-        return self.lm_head(self.model.norm(hidden_states)).float()
+        return final_logits(self.model.norm, self.lm_head, hidden_states, indices)
 
     # --- KV cache -------------------------------------------------------------------------------
     def kv_cache_shape(self, num_pages: int, page_size: int) -> tuple[int, ...]:
