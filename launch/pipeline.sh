@@ -9,15 +9,15 @@
 # HEADS="mtp eagle1" trains the EAGLE-1 ablation on the same data too, for the norm comparison.
 #
 #   launch/pipeline.sh                       # defaults below; every variable can be overridden
-#   STEPS=600 STORIES=4000 launch/pipeline.sh
+#   STEPS=400 STORIES=1500 launch/pipeline.sh   # a quicker run (about 3 minutes)
 set -euo pipefail
 cd "$(dirname "$0")/.."
 
 ASSETS=${ASSETS:-../shared/assets}
 OUT=${OUT:-artifacts}
 MODEL=$OUT/stories260K
-STORIES=${STORIES:-1500}       # self-distilled stories (from BOS, T=1)
-STEPS=${STEPS:-400}            # optimizer steps per head
+STORIES=${STORIES:-3000}       # self-distilled stories (from BOS, T=1)
+STEPS=${STEPS:-1500}           # optimizer steps per head
 HEADS=${HEADS:-mtp}            # heads to train on the same features: mtp and/or eagle1
 NPROC=${NPROC:-2}              # torchrun processes
 K=${K:-4}                      # draft tokens per step when validating
