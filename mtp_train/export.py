@@ -227,8 +227,10 @@ def export_config(config: MTPHeadConfig, fmt: str, source: str, target_path: str
         return {"architectures": ["DeepseekV3ForCausalLMNextN"], "model_type": "llama" if llama else "deepseek_v3",
                 **decoder_fields(config), **common, "num_nextn_predict_layers": 1, "decoder_type": config.decoder_type,
                 "tie_word_embeddings": False}
-    deviations = ["layers.0.input_layernorm.weight: the decoder layer normalises its input "
-                  "(EAGLE-1's first layer does not)"]
+    deviations = []
+    if config.layer_input_norm:
+        deviations.append("layers.0.input_layernorm.weight: the decoder layer normalises its input "
+                          "(EAGLE-1's first layer does not)")
     if config.enorm:
         deviations.append("enorm.weight: the embedding is RMS-normalised before fc (EAGLE-1 does not)")
     if config.hnorm:
@@ -245,6 +247,7 @@ def check_exportable(config: MTPHeadConfig, fmt: str) -> None:
     if fmt == "sglang-nextn":
         problems = [f"no {name}" for name in ("enorm", "hnorm", "final_norm") if not getattr(config, name)]
         problems += ["a projection bias"] if config.proj_bias else []
+        problems += ["no decoder input norm"] if not config.layer_input_norm else []
         if problems:
             raise ExportError(f"this {config.architecture} head has {', '.join(problems)}: NextN always applies enorm, "
                               "hnorm and shared_head.norm and its eh_proj has no bias")

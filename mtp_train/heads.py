@@ -63,7 +63,8 @@ def head_config(config: PretrainedConfig, head_cfg: DictConfig, target_identity:
     return MTPHeadConfig(
         hidden_size=config.hidden_size, vocab_size=config.vocab_size, decoder=decoder,
         enorm=bool(head_cfg.enorm), hnorm=bool(head_cfg.hnorm), final_norm=bool(head_cfg.final_norm),
-        proj_bias=bool(head_cfg.proj_bias), rms_norm_eps=float(config.rms_norm_eps),
+        proj_bias=bool(head_cfg.proj_bias), layer_input_norm=bool(head_cfg.layer_input_norm),
+        rms_norm_eps=float(config.rms_norm_eps),
         architecture=str(head_cfg.architecture), target=target_identity, decoder_type=kind,
     )
 

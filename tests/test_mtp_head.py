@@ -104,11 +104,10 @@ def test_folder_holds_config_and_weights_without_the_targets_tensors(saved_head,
     assert not [k for k, shape in shapes.items() if vocab in shape], "a vocabulary-sized tensor was saved"
     assert keys == set(head.state_dict())
     expected = {"eh_proj.weight", "layer.self_attn.qkv_proj.weight", "layer.self_attn.o_proj.weight",
-                "layer.mlp.gate_up_proj.weight", "layer.mlp.down_proj.weight", "layer.input_layernorm.weight",
-                "layer.post_attention_layernorm.weight"}
+                "layer.mlp.gate_up_proj.weight", "layer.mlp.down_proj.weight", "layer.post_attention_layernorm.weight"}
     if head.config.architecture == "mtp":
-        expected |= {"enorm.weight", "hnorm.weight", "final_norm.weight"}
-    else:  # eagle1: no norms, a biased projection
+        expected |= {"enorm.weight", "hnorm.weight", "final_norm.weight", "layer.input_layernorm.weight"}
+    else:  # eagle1: no norms (not even the layer's input norm, as EAGLE-1's first layer), a biased projection
         expected |= {"eh_proj.bias"}
     assert keys == expected
     assert shapes["eh_proj.weight"] == (hidden, 2 * hidden)

@@ -42,7 +42,8 @@ def test_every_model_config_composes_with_expected_counts(model):
     assert (counts["trainable"], counts["decoder_layer"], counts["projection"], counts["frozen_shared"]) == EXPECTED[model]
     eagle = parameter_counts(compose([f"model={model}", "head=eagle1"]))
     hidden = cfg.model.config.hidden_size
-    assert eagle["trainable"] == counts["trainable"] - 3 * hidden + hidden  # no enorm/hnorm/final_norm, a bias
+    # no enorm/hnorm/final_norm nor the layer's input norm, and a bias
+    assert eagle["trainable"] == counts["trainable"] - 4 * hidden + hidden
 
 
 def test_70b_head_matches_the_issue_figures():

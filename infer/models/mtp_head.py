@@ -53,6 +53,7 @@ class MTPHeadConfig:
     hnorm: bool = True
     final_norm: bool = True
     proj_bias: bool = False
+    layer_input_norm: bool = True  # the decoder layer's own input RMSNorm (EAGLE-1's first layer has none)
     rms_norm_eps: float = 1e-5
     architecture: str = "mtp"  # "mtp" (norms on) or "eagle1" (no norms, biased projection)
     target: dict = field(default_factory=dict)  # {"name", "hidden_size", "vocab_size", "shared_tensors_sha256"}
@@ -92,6 +93,8 @@ class MTPHead(nn.Module):
         else:
             self.layer = LlamaDecoderLayer(decoder_config)
             rope_dim = decoder_config.head_dim or decoder_config.hidden_size // decoder_config.num_attention_heads
+        if not config.layer_input_norm:
+            self.layer.input_layernorm = nn.Identity()
         self.final_norm = RMSNorm(hidden, eps) if config.final_norm else nn.Identity()
         self.rotary_emb = RotaryEmbedding(decoder_config, rope_dim)
         self.shared: SharedTargetWeights | None = None
@@ -190,7 +193,8 @@ def head_config_from_target(target: nn.Module, target_name: str, architecture: s
     norms = architecture == "mtp"
     return MTPHeadConfig(
         hidden_size=cfg.hidden_size, vocab_size=cfg.vocab_size, decoder=decoder, enorm=norms, hnorm=norms,
-        final_norm=norms, proj_bias=not norms, rms_norm_eps=cfg.rms_norm_eps, architecture=architecture,
+        final_norm=norms, proj_bias=not norms, layer_input_norm=norms, rms_norm_eps=cfg.rms_norm_eps,
+        architecture=architecture,
         target=target_identity(target, target_name),
     )
 
@@ -209,7 +213,8 @@ def init_head_from_target(target: nn.Module, target_name: str, architecture: str
         head.eh_proj.weight[:, hidden:] = torch.eye(hidden)
         if head.eh_proj.bias is not None:
             head.eh_proj.bias.zero_()
-        head.layer.load_state_dict(target.model.layers[-1].state_dict())
+        wanted = head.layer.state_dict().keys()  # without its input norm when the head drops it (eagle1)
+        head.layer.load_state_dict({k: v for k, v in target.model.layers[-1].state_dict().items() if k in wanted})
         if config.final_norm:
             head.final_norm.weight.copy_(target.model.norm.weight)
     return head.attach(SharedTargetWeights(target.model.embed_tokens, target.lm_head))
