@@ -18,7 +18,6 @@ from mtp_train.heads import HeadConfigError, build_head, shared_tensors_sha256
 from mtp_train.inspect import compose, parameter_counts
 from mtp_train.target import load_target
 from mtp_train.trainer import param_groups
-from infer.attention import PackedCausalAttention
 from mtp_train.unroll import LossWeights, UnrolledHead
 
 pytestmark = pytest.mark.usefixtures("one_torch_thread")
