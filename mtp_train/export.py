@@ -68,9 +68,9 @@ from infer.models.mtp_head import (
     MTPHead,
     MTPHeadConfig,
     SharedTargetWeights,
+    check_target,
     load_head,
     save_head,
-    shared_tensors_sha256,
 )
 
 FORMATS = ("runtime", "sglang-nextn", "eagle")
@@ -307,20 +307,6 @@ def export_head(head: str | Path | MTPHead, fmt: str, out: str | Path, target: s
 
 
 # --- reading back ----------------------------------------------------------------------------------------------
-def check_target(config: MTPHeadConfig, target: nn.Module, where: str) -> None:
-    """The checks load_head makes, naming `where`: hidden size and vocabulary, then the shared tensors' digest."""
-    if (config.hidden_size, config.vocab_size) != (target.config.hidden_size, target.config.vocab_size):
-        raise HeadLoadError(
-            f"{where}: head is for {config.target.get('name')!r} with hidden size {config.hidden_size} / vocab "
-            f"{config.vocab_size}, the target has hidden size {target.config.hidden_size} / vocab "
-            f"{target.config.vocab_size}"
-        )
-    expected = config.target.get("shared_tensors_sha256")
-    if expected and expected != shared_tensors_sha256(target.model.embed_tokens.weight, target.lm_head.weight):
-        raise HeadLoadError(f"{where}: head was trained against {config.target.get('name')!r}, whose embedding/lm_head "
-                            "differ from this target's")
-
-
 def load_export(path: str | Path, target: nn.Module, dtype: torch.dtype | None = None) -> MTPHead:
     """Any export (or a runtime head folder) back into infer's MTPHead, attached to `target`'s embedding and lm_head."""
     path = Path(path)

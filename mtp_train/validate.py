@@ -40,7 +40,6 @@ import argparse
 import json
 import sys
 import time
-import weakref
 from dataclasses import dataclass, replace
 from pathlib import Path
 
@@ -56,7 +55,7 @@ from infer.engine import Engine, EngineConfig, default_eos_ids
 from infer.generate import read_prompt_file
 from infer.kv_cache import pages_needed
 from infer.loader import load_model
-from infer.models.mtp_head import HeadLoadError, MTPHead, SharedTargetWeights, load_head, shared_tensors_sha256
+from infer.models.mtp_head import HeadLoadError, MTPHead, SharedTargetWeights, check_target, load_head
 from infer.sampling_params import SamplingParams
 from infer.speculative import SpecStats
 
@@ -107,16 +106,6 @@ def load_target(target: str | Path | Engine | nn.Module, tokenizer: PreTrainedTo
     return ServingTarget(model, tokenizer, frozenset(default_eos_ids(path, model.config)), str(path), EngineConfig())
 
 
-# The target's shared-tensor digest, computed once per target module (hashing a 128k x 8k table takes seconds).
-_DIGESTS: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
-
-
-def target_digest(model: nn.Module) -> str:
-    if model not in _DIGESTS:
-        _DIGESTS[model] = shared_tensors_sha256(model.model.embed_tokens.weight, model.lm_head.weight)
-    return _DIGESTS[model]
-
-
 def serving_head(head: str | Path | MTPHead, model: nn.Module) -> MTPHead:
     """The head as the runtime serves it: loaded from its folder, or an in-memory head copied onto the target's
     device and dtype and attached to the target's own embedding and lm_head."""
@@ -126,13 +115,7 @@ def serving_head(head: str | Path | MTPHead, model: nn.Module) -> MTPHead:
             raise HeadLoadError(f"head folder {path} does not exist")
         return load_head(path, model)
     config = head.config
-    if (config.hidden_size, config.vocab_size) != (model.config.hidden_size, model.config.vocab_size):
-        raise HeadLoadError(f"head is for hidden size {config.hidden_size} / vocab {config.vocab_size}, the target "
-                            f"has {model.config.hidden_size} / {model.config.vocab_size}")
-    expected = config.target.get("shared_tensors_sha256")
-    if expected and expected != target_digest(model):
-        raise HeadLoadError(f"head was trained against {config.target.get('name')!r}, whose embedding/lm_head "
-                            "differ from this target's")
+    check_target(config, model, "the in-memory head")
     copy = MTPHead(config)
     copy.load_state_dict({name: tensor.detach() for name, tensor in head.state_dict().items()})
     param = next(model.parameters())

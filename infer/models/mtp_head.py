@@ -24,6 +24,7 @@ import json
 import os
 import shutil
 import tempfile
+import weakref
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
@@ -171,6 +172,30 @@ def shared_tensors_sha256(embed: torch.Tensor, lm_head: torch.Tensor, rows: int 
     return digest.hexdigest()
 
 
+# Each target module's digest, computed once (hashing a 128k x 8k table takes seconds; validation loads heads often).
+_DIGESTS: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
+
+
+def target_digest(target: nn.Module) -> str:
+    if target not in _DIGESTS:
+        _DIGESTS[target] = shared_tensors_sha256(target.model.embed_tokens.weight, target.lm_head.weight)
+    return _DIGESTS[target]
+
+
+def check_target(config: MTPHeadConfig, target: nn.Module, where: str) -> None:
+    """Refuse a head made for another target: hidden size and vocabulary, then the shared tensors' digest."""
+    if (config.hidden_size, config.vocab_size) != (target.config.hidden_size, target.config.vocab_size):
+        raise HeadLoadError(
+            f"{where}: head is for {config.target.get('name')!r} with hidden size {config.hidden_size} / vocab "
+            f"{config.vocab_size}, the target has hidden size {target.config.hidden_size} / vocab "
+            f"{target.config.vocab_size}"
+        )
+    expected = config.target.get("shared_tensors_sha256")
+    if expected and expected != target_digest(target):
+        raise HeadLoadError(f"{where}: head was trained against {config.target.get('name')!r}, whose embedding/lm_head "
+                            "differ from this target's")
+
+
 def target_identity(target: nn.Module, name: str) -> dict:
     return {
         "name": name,
@@ -252,18 +277,7 @@ def load_head(path: str | Path, target: nn.Module, dtype: torch.dtype | None = N
         raise HeadLoadError(f"{config_file} is not a head config: {err}") from err
     if config.format_version != HEAD_FORMAT_VERSION:
         raise HeadLoadError(f"{config_file}: head format {config.format_version}, this runtime reads {HEAD_FORMAT_VERSION}")
-    expected = config.target.get("shared_tensors_sha256")
-    actual = shared_tensors_sha256(target.model.embed_tokens.weight, target.lm_head.weight)
-    if config.hidden_size != target.config.hidden_size or config.vocab_size != target.config.vocab_size:
-        raise HeadLoadError(
-            f"{config_file}: head is for hidden size {config.hidden_size} / vocab {config.vocab_size}, the target has "
-            f"{target.config.hidden_size} / {target.config.vocab_size}"
-        )
-    if expected and expected != actual:
-        raise HeadLoadError(
-            f"{config_file}: head was trained against {config.target.get('name')!r}, whose embedding/lm_head differ "
-            "from this target's"
-        )
+    check_target(config, target, str(config_file))
     head = MTPHead(config)
     state = load_file(str(weights_file))
     missing, unexpected = head.load_state_dict(state, strict=False)
