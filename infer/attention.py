@@ -46,11 +46,14 @@ class AttentionBackend(Protocol):
         ...
 
 
-def cache_write_rows(meta: PageMetadata) -> tuple[torch.Tensor, torch.Tensor]:
-    """Rows of the flat cache views where this step's tokens go: ([2T] K rows then V rows, [T] MLA rows)."""
-    page, offset = meta.slot_mapping // meta.page_size, meta.slot_mapping % meta.page_size
-    k_rows = 2 * page * meta.page_size + offset
-    return torch.cat((k_rows, k_rows + meta.page_size)), meta.slot_mapping
+def kv_rows(slots: torch.Tensor, page_size: int) -> torch.Tensor:
+    """Token slots (page * page_size + offset) -> rows of a K/V cache's flat view: [N] K rows then [N] V rows.
+
+    A [pages, 2, page_size, ...] cache viewed flat puts K of page p at rows 2p * page_size + offset and V one
+    page_size further. MLA caches ([pages, page_size, ...]) are indexed by the slots themselves.
+    """
+    k_rows = slots + (slots // page_size) * page_size
+    return torch.cat((k_rows, k_rows + page_size))
 
 
 def write_kv(kv_cache: torch.Tensor, rows: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
@@ -81,10 +84,12 @@ class TorchAttention:
         q_lens = (meta.qo_indptr[1:] - meta.qo_indptr[:-1]).long()
         kv_lens = meta.kv_lens.long()
 
-        # Caches are read and written through flat views ([pages * page_size, ...] for MLA, [pages * 2 *
-        # page_size, ...] for K/V, where K of page p starts at row 2p * page_size and V at (2p + 1) * page_size)
-        # with index_copy_/index_select: one kernel each, far cheaper than multi-dimensional indexing.
-        self.kv_write, self.mla_write = cache_write_rows(meta)
+        # Caches are read and written through flat views with index_copy_/index_select (one kernel each, far
+        # cheaper than multi-dimensional indexing), at token slots; K/V rows are derived from the slots on the
+        # first K/V layer of the step (see kv_rows), so a model pays only for the cache layout it has.
+        self.page_size = page_size
+        self.write_slots = meta.slot_mapping
+        self.kv_write = self.kv_read = None
 
         # Packed queries -> padded [B, max_q]: decode-only batches (max_q == 1) need no padding at all.
         self.decode_only = max_q == 1
@@ -103,10 +108,7 @@ class TorchAttention:
         kv_pos = torch.arange(max_kv, device=device)
         page_slot = meta.kv_indptr.long()[:-1, None] + kv_pos[None, :] // page_size
         page_slot = page_slot.clamp_(max=max(meta.kv_indices.shape[0] - 1, 0))
-        read_page, read_offset = meta.kv_indices.long()[page_slot], kv_pos % page_size  # [B, max_kv]
-        self.mla_read = (read_page * page_size + read_offset).flatten()
-        k_read = (2 * read_page * page_size + read_offset).flatten()
-        self.kv_read = torch.cat((k_read, k_read + page_size))  # [2 * B * max_kv]
+        self.read_slots = (meta.kv_indices.long()[page_slot] * page_size + kv_pos % page_size).flatten()  # [B*max_kv]
         self.read_shape = (batch, max_kv)
 
         # Causal mask: query j of sequence b sits at position kv_len - q_len + j and sees keys up to it.
@@ -131,6 +133,9 @@ class TorchAttention:
     def attend(
         self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, kv_cache: torch.Tensor, scale: float
     ) -> torch.Tensor:
+        if self.kv_write is None:  # the step's first K/V layer
+            self.kv_write = kv_rows(self.write_slots, self.page_size)
+            self.kv_read = None if self.fresh_prefill else kv_rows(self.read_slots, self.page_size)
         flat = write_kv(kv_cache, self.kv_write, k, v)
         if self.fresh_prefill:
             out = F.scaled_dot_product_attention(
@@ -156,16 +161,16 @@ class TorchAttention:
         kpe_cache: torch.Tensor,
         scale: float,
     ) -> torch.Tensor:
-        ckv_flat = write_mla(ckv_cache, self.mla_write, ckv)
-        kpe_flat = write_mla(kpe_cache, self.mla_write, kpe)
+        ckv_flat = write_mla(ckv_cache, self.write_slots, ckv)
+        kpe_flat = write_mla(kpe_cache, self.write_slots, kpe)
         query = self._pad_queries(torch.cat((q_latent, q_rope), dim=-1))
         if self.fresh_prefill:
             latent = self._pad_queries(ckv[:, None, :])  # [B, 1, max_q, R]
             keys = torch.cat((latent, self._pad_queries(kpe[:, None, :])), dim=-1)
             out = F.scaled_dot_product_attention(query, keys, latent, is_causal=True, scale=scale, enable_gqa=True)
             return self._unpad(out)
-        latent = ckv_flat.index_select(0, self.mla_read).view(*self.read_shape, -1).to(q_latent.dtype)  # [B, max_kv, R]
-        rope_key = kpe_flat.index_select(0, self.mla_read).view(*self.read_shape, -1).to(q_latent.dtype)
+        latent = ckv_flat.index_select(0, self.read_slots).view(*self.read_shape, -1).to(q_latent.dtype)  # [B, max_kv, R]
+        rope_key = kpe_flat.index_select(0, self.read_slots).view(*self.read_shape, -1).to(q_latent.dtype)
         keys = torch.cat((latent, rope_key), dim=-1)[:, None]  # one head shared by all query heads
         out = F.scaled_dot_product_attention(
             query, keys, latent[:, None], attn_mask=self.mask, scale=scale, enable_gqa=True
@@ -199,7 +204,7 @@ class FlashInferAttention:
         # FlashInfer bakes sm_scale into the plan; the first layer's call completes it (all layers share it).
         self._meta = meta
         self._planned_scale = None
-        self.kv_write, self.mla_write = cache_write_rows(meta)
+        self.kv_write = None
 
     def _ensure_planned(self, scale: float) -> None:
         if self._planned_scale == scale:
@@ -225,6 +230,8 @@ class FlashInferAttention:
         self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, kv_cache: torch.Tensor, scale: float
     ) -> torch.Tensor:
         self._ensure_planned(scale)
+        if self.kv_write is None:
+            self.kv_write = kv_rows(self._meta.slot_mapping, self._meta.page_size)
         write_kv(kv_cache, self.kv_write, k, v)
         return self.wrapper.run(q.contiguous(), kv_cache)
 
@@ -239,8 +246,8 @@ class FlashInferAttention:
         scale: float,
     ) -> torch.Tensor:
         self._ensure_planned(scale)
-        write_mla(ckv_cache, self.mla_write, ckv)
-        write_mla(kpe_cache, self.mla_write, kpe)
+        write_mla(ckv_cache, self._meta.slot_mapping, ckv)
+        write_mla(kpe_cache, self._meta.slot_mapping, kpe)
         return self.wrapper.run(q_latent.contiguous(), q_rope.contiguous(), ckv_cache, kpe_cache)
 
 
