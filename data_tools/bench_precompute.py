@@ -24,10 +24,10 @@ from transformers import AutoTokenizer, LlamaForCausalLM
 
 from data_tools.conversations import LoadReport, load_conversations
 from data_tools.precompute import FeatureExtractor
-from data_tools.shards import DTYPES, bytes_per_token, shard_bytes
+from data_tools.shards import bytes_per_token, shard_bytes
 from data_tools.tokenize import ChatFormat, TokenizedRecord
 from infer.cli import run_cli
-from infer.loader import load_model
+from infer.loader import DTYPES, load_model
 
 ASSETS = Path(__file__).resolve().parents[2] / "shared" / "assets"
 

@@ -5,13 +5,12 @@ tokens and hidden states are read on access as slices of the memory-mapped safet
 larger than RAM is fine. `EpochSampler` gives a deterministic order per (seed, epoch) and each rank its own
 part of it (equal lengths on every rank, as DeepSpeed's data-parallel steps need).
 
-Logits are never stored: `TargetHead` loads just the target's final norm and lm_head from its safetensors and
-recomputes the next-token distribution from the stored pre-norm hidden states when the trainer needs it.
+Logits are never stored: `next_token_logits` recomputes the target's next-token distribution from the stored
+pre-norm hidden states and the target's final norm and lm_head (mtp_train.target reads those two alone).
 """
 
 from __future__ import annotations
 
-import json
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -19,7 +18,6 @@ import torch
 from safetensors import safe_open
 
 from data_tools.shards import aux_key, read_manifest
-from infer.loader import safetensors_files
 
 
 class FeatureDataset(torch.utils.data.Dataset):
@@ -135,37 +133,3 @@ def next_token_logits(hidden: torch.Tensor, norm_weight: torch.Tensor, lm_head_w
     x = x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + eps)
     x = norm_weight * x.to(dtype)
     return (x @ lm_head_weight.to(x.dtype).T).float()
-
-
-class TargetHead(torch.nn.Module):
-    """The target's frozen final norm and lm_head, read alone from its checkpoint (no other weights loaded)."""
-
-    NORM_KEYS = ("model.norm.weight",)
-    HEAD_KEYS = ("lm_head.weight",)
-    TIED_KEYS = ("model.embed_tokens.weight",)
-
-    def __init__(self, norm_weight: torch.Tensor, lm_head_weight: torch.Tensor, eps: float) -> None:
-        super().__init__()
-        self.register_buffer("norm_weight", norm_weight)
-        self.register_buffer("lm_head_weight", lm_head_weight)
-        self.eps = eps
-
-    @classmethod
-    def from_pretrained(cls, model_dir: str | Path, dtype: torch.dtype = torch.float32) -> "TargetHead":
-        model_dir = Path(model_dir)
-        config = json.loads((model_dir / "config.json").read_text())
-        eps = config.get("rms_norm_eps", 1e-6)
-        head_keys = cls.HEAD_KEYS + (cls.TIED_KEYS if config.get("tie_word_embeddings", False) else ())
-        norm = head = None
-        for file in safetensors_files(model_dir):
-            with safe_open(str(file), framework="pt") as f:
-                keys = set(f.keys())
-                norm = next((f.get_tensor(k) for k in cls.NORM_KEYS if k in keys), norm)
-                if head is None or "lm_head.weight" in keys:
-                    head = next((f.get_tensor(k) for k in head_keys if k in keys), head)
-        if norm is None or head is None:
-            raise ValueError(f"{model_dir}: checkpoint has no final norm or lm_head/embedding weights")
-        return cls(norm.to(dtype), head.to(dtype), eps).requires_grad_(False)
-
-    def forward(self, hidden: torch.Tensor) -> torch.Tensor:
-        return next_token_logits(hidden, self.norm_weight, self.lm_head_weight, self.eps)

@@ -36,18 +36,18 @@ from omegaconf import DictConfig, OmegaConf
 from tqdm import tqdm
 from transformers import AutoTokenizer
 
+from data_tools.config import compose
 from data_tools.conversations import DataError, LoadReport, load_conversations
 from data_tools.shards import (
-    DTYPES, FORMAT, OFFSET_BYTES, atomic_write_bytes, aux_key, bytes_per_token, read_shard_meta,
+    FORMAT, OFFSET_BYTES, atomic_write_bytes, aux_key, bytes_per_token, read_shard_meta,
     sha256_file, shard_bytes, shard_name, temp_path, write_manifest,
 )
 from data_tools.tokenize import PLAIN, ChatFormat, TokenizedRecord, pack_by_budget
 from infer.cli import run_cli
 from infer.kv_cache import PagePool, PageTable, build_page_metadata, pages_needed
-from infer.loader import load_config, load_model, safetensors_files
+from infer.loader import DTYPES, load_config, load_model, safetensors_files
 from infer.model_runner import ModelRunner
 
-CONF_DIR = Path(__file__).resolve().parents[1] / "conf"
 # Tests: after this many shards, write the next one's temp file halfway and SIGKILL the process.
 CRASH_ENV = "DATA_TOOLS_CRASH_AFTER_SHARDS"
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer.model", "tokenizer_config.json", "special_tokens_map.json",
@@ -56,21 +56,6 @@ HEADER_BYTES = 1024  # per-shard safetensors header, before the records' sources
 
 
 # --- configuration ------------------------------------------------------------------------------------
-def compose_config(overrides: list[str], config_name: str = "precompute") -> DictConfig:
-    """conf/<config_name>.yaml with Hydra overrides applied; mistakes become one-line DataErrors."""
-    from hydra import compose, initialize_config_dir  # noqa: PLC0415
-    from hydra.errors import HydraException  # noqa: PLC0415
-    from omegaconf.errors import OmegaConfBaseException  # noqa: PLC0415
-
-    try:
-        with initialize_config_dir(config_dir=str(CONF_DIR), version_base=None):
-            cfg = compose(config_name=config_name, overrides=overrides)
-        OmegaConf.to_container(cfg, throw_on_missing=True)
-    except (HydraException, OmegaConfBaseException) as err:
-        raise DataError(f"config: {str(err).splitlines()[0]}") from err
-    return cfg
-
-
 def chat_format(data_cfg: DictConfig, tokenizer) -> ChatFormat:
     return ChatFormat(tokenizer, chat_template=data_cfg.chat_template, end_token=data_cfg.end_token,
                       max_length=int(data_cfg.max_length), truncate=bool(data_cfg.truncate))
@@ -273,17 +258,12 @@ def _barrier(world: int) -> None:
 
 
 def _validate(cfg: DictConfig, num_layers: int) -> tuple[torch.dtype, torch.dtype, list[int]]:
+    """What the schema cannot know: the aux layers against the model's depth (types and ranges: data_tools.config)."""
     pc = cfg.precompute
-    for key, table in (("dtype", DTYPES), ("model_dtype", DTYPES)):
-        if pc[key] not in table:
-            raise DataError(f"precompute.{key} must be one of {', '.join(table)}, got {pc[key]!r}")
-    aux_layers = [int(x) for x in pc.aux_layers]
+    aux_layers = list(pc.aux_layers)
     bad = [x for x in aux_layers if not 0 <= x < num_layers]
     if bad or len(set(aux_layers)) != len(aux_layers):
         raise DataError(f"precompute.aux_layers must be distinct layer indices in [0, {num_layers}), got {aux_layers}")
-    for key in ("max_tokens_per_batch", "max_records_per_batch", "page_size"):
-        if int(pc[key]) < 1:
-            raise DataError(f"precompute.{key} must be >= 1, got {pc[key]}")
     return DTYPES[pc.dtype], DTYPES[pc.model_dtype], sorted(aux_layers)
 
 
@@ -406,7 +386,7 @@ def build_parser() -> argparse.ArgumentParser:
 
 def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
-    cfg = compose_config(args.overrides, args.config_name)
+    cfg = compose(args.config_name, args.overrides)
     if args.dry_run:
         cfg.precompute.dry_run = True
     if args.force:

@@ -25,7 +25,6 @@ from safetensors.torch import save
 
 FORMAT = "specforge-lite-features/1"
 MANIFEST = "manifest.json"
-DTYPES = {"bfloat16": torch.bfloat16, "float16": torch.float16, "float32": torch.float32}
 ID_BYTES, MASK_BYTES, OFFSET_BYTES = 4, 1, 8
 
 

@@ -7,11 +7,8 @@ Every figure is measured in the same run as its baseline (these machines are sha
 reported as a ratio. Without --spec: tokens/s of this runtime and of transformers' `generate` on the same
 prompts (greedy, fixed output length). With --spec: tokens/s with and without speculation, the speedup,
 tau (tokens per target step), and the ideal speedup predicted from the measured acceptance and the
-measured cost of a draft forward and a verify forward:
-
-    ideal = tau * t(decode step) / (K * t(draft forward) + t(verify forward over K+1 tokens))
-
-so that achieved / ideal is the share of the ideal the runtime's machinery keeps.
+measured cost of a draft forward and a verify forward (`infer.speedup`), so that achieved / ideal is the share of
+the ideal the runtime's machinery keeps.
 """
 
 from __future__ import annotations
@@ -24,17 +21,12 @@ from pathlib import Path
 
 import torch
 
-from infer.cli import DTYPES, CliError, add_engine_args, engine_kwargs, run_cli
+from infer.cli import CliError, add_engine_args, engine_kwargs, run_cli
 from infer.engine import Engine
-from infer.generate import read_prompt_file
-from infer.kv_cache import PageTable, build_page_metadata
+from infer.loader import DTYPES
+from infer.prompts import DEFAULT_PROMPTS, read_prompt_file
 from infer.sampling_params import SamplingParams
-from infer.speculative import SpecStats
-
-DEFAULT_PROMPTS = [
-    "Once upon a time", "One day, a little girl named Lily", "Tom and his dog", "The sun was shining and",
-    "There was a big tree in the park", "Sam wanted to play with", "A little bird", "Mom said to Ben",
-]
+from infer.speedup import COST_CONTEXT, compare, ideal_speedup, timed_generate
 
 
 def parse_ints(text: str, flag: str) -> list[int]:
@@ -60,10 +52,8 @@ def best_of(repeats: int, run) -> tuple[float, int]:
 
 
 def run_engine(engine: Engine, prompts: list[str], params: SamplingParams) -> tuple[float, int]:
-    """(seconds, generated tokens) for one batch run to completion."""
-    start = time.perf_counter()
-    requests = engine.generate(prompts, params)
-    return time.perf_counter() - start, sum(len(r.output_ids) for r in requests)
+    timed = timed_generate(engine, prompts, params)
+    return timed.seconds, timed.tokens
 
 
 def run_transformers(model, tokenizer, prompts: list[str], new_tokens: int) -> tuple[float, int]:
@@ -104,65 +94,32 @@ def make_engine(args, max_num_seqs: int) -> Engine:
                                   **engine_kwargs(args, max_num_seqs=max_num_seqs))
 
 
-def forward_cost(runner, engine: Engine, batch_size: int, q_len: int, context: int, repeats: int = 30,
-                 **model_inputs) -> float:
-    """Seconds for one forward of `runner` over batch_size sequences of q_len new tokens after `context` cached."""
-    tables = [PageTable(engine.pool) for _ in range(batch_size)]
-    try:
-        for table in tables:
-            table.extend(context + q_len)
-        meta = build_page_metadata([t.pages for t in tables], [q_len] * batch_size, [context + q_len] * batch_size,
-                                   engine.config.page_size, engine.device)
-        ids = torch.ones(batch_size * q_len, dtype=torch.long, device=engine.device)
-        rows = torch.arange(batch_size * q_len, device=engine.device)
-        if "hidden_states" in model_inputs:
-            model_inputs = {"hidden_states": model_inputs["hidden_states"].expand(batch_size * q_len, -1)}
-        runner.run(ids, meta, rows, **model_inputs)
-        times = []
-        for _ in range(repeats):  # the fastest run: noise on a shared machine only ever adds time
-            start = time.perf_counter()
-            runner.run(ids, meta, rows, **model_inputs)
-            times.append(time.perf_counter() - start)
-        return min(times)
-    finally:
-        for table in tables:
-            table.free()
-
-
 def bench_spec(args, prompts: list[str]) -> list[dict]:
     rows = []
+    warm_up = SamplingParams(max_new_tokens=4, ignore_eos=True)
     for temperature in args.temperatures:
         for batch_size in args.batch_sizes:
             batch = [prompts[i % len(prompts)] for i in range(batch_size)]
             params = SamplingParams(max_new_tokens=args.max_new_tokens, ignore_eos=True, temperature=temperature)
             plain = make_engine(args, batch_size)
-            run_engine(plain, batch[:1], SamplingParams(max_new_tokens=4, ignore_eos=True))
-            plain_s, plain_tokens = best_of(args.repeats, lambda: run_engine(plain, batch, params))
-            context = 32
-            hidden_size = plain.model.config.hidden_size
-            t_decode = forward_cost(plain.runner, plain, batch_size, 1, context)
+            timed_generate(plain, batch[:1], warm_up)
             for k in args.num_draft_tokens:
                 spec = make_engine(args, batch_size)
                 spec.num_draft_tokens = k
                 spec.load_drafter(args.spec, args.draft)
-                run_engine(spec, batch[:1], SamplingParams(max_new_tokens=4, ignore_eos=True))
-                spec.spec_stats = SpecStats(k)  # count the timed runs only
-                spec_s, spec_tokens = best_of(args.repeats, lambda: run_engine(spec, batch, params))
-                extra = {"hidden_states": torch.zeros(1, hidden_size, device=spec.device,
-                                                      dtype=spec.drafter.runner.dtype)} if args.spec == "mtp" else {}
-                t_draft = forward_cost(spec.drafter.runner, spec, batch_size, 1, context, **extra)
-                t_verify = forward_cost(spec.runner, spec, batch_size, k + 1, context)
-                stats = spec.spec_stats.to_dict()
-                speedup = (spec_tokens / spec_s) / (plain_tokens / plain_s)
-                ideal = stats["tau"] * t_decode / (k * t_draft + t_verify)
+                timed_generate(spec, batch[:1], warm_up)
+                result = compare(plain, spec, batch, params, args.repeats)
+                costs = spec.forward_costs(batch_size, COST_CONTEXT)
+                tau = result.stats["tau"]
+                ideal = ideal_speedup(tau, costs, k)
                 rows.append({
                     "temperature": temperature, "batch_size": batch_size, "k": k,
-                    "plain_tok_s": round(plain_tokens / plain_s, 1), "spec_tok_s": round(spec_tokens / spec_s, 1),
-                    "speedup": round(speedup, 3), "tau": stats["tau"],
-                    "acceptance_per_position": stats["acceptance_per_position"],
-                    "ideal_speedup": round(ideal, 3), "achieved_over_ideal": round(speedup / ideal, 3),
-                    "t_decode_ms": round(t_decode * 1e3, 3), "t_draft_ms": round(t_draft * 1e3, 3),
-                    "t_verify_ms": round(t_verify * 1e3, 3),
+                    "plain_tok_s": round(result.plain.tok_s, 1), "spec_tok_s": round(result.spec.tok_s, 1),
+                    "speedup": round(result.speedup, 3), "tau": tau,
+                    "acceptance_per_position": result.stats["acceptance_per_position"],
+                    "ideal_speedup": round(ideal, 3), "achieved_over_ideal": round(result.speedup / ideal, 3),
+                    "t_decode_ms": round(costs.decode * 1e3, 3), "t_draft_ms": round(costs.draft * 1e3, 3),
+                    "t_verify_ms": round(costs.verify * 1e3, 3),
                 })
     return rows
 

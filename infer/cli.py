@@ -10,10 +10,9 @@ from pathlib import Path
 
 import torch
 
-from infer.loader import ModelLoadError
+from infer.atomic_io import OutputExistsError
+from infer.loader import DTYPES, ModelLoadError
 from infer.models.mtp_head import HeadLoadError
-
-DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
 
 class CliError(ValueError):
@@ -67,7 +66,7 @@ def run_cli(main: Callable[[], int]) -> int:
     """Run main; a user's mistake prints one line on stderr and exits 2 (INFER_DEBUG=1 shows the traceback)."""
     try:
         return main()
-    except (CliError, ModelLoadError, HeadLoadError, ValueError, FileNotFoundError) as err:
+    except (CliError, ModelLoadError, HeadLoadError, OutputExistsError, ValueError, FileNotFoundError) as err:
         if os.environ.get("INFER_DEBUG"):
             raise
         print(f"error: {' '.join(str(err).split())}", file=sys.stderr)  # one line, whatever the message

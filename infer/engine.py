@@ -4,6 +4,9 @@ Every step the scheduler packs one batch under a token budget and a page budget:
 (decode is one token; a long prompt is prefilled in chunks), then waiting requests while budget and pages
 last. When pages run out, the most recently admitted request is preempted: its pages are freed and it is
 requeued to be recomputed later, so the engine never crashes for lack of memory.
+
+With a drafter attached, a decode-only batch takes one `infer.speculative.speculative_decode` round instead of
+a plain forward; the engine owns everything that round changes: tokens, stops, page tables and statistics.
 """
 
 from __future__ import annotations
@@ -11,19 +14,19 @@ from __future__ import annotations
 import time
 from collections import deque
 from collections.abc import Iterable, Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 
 import torch
-from transformers import AutoTokenizer, GenerationConfig, PreTrainedTokenizerBase
+from transformers import PreTrainedTokenizerBase
 
 from infer.kv_cache import OutOfPages, PagePool, PageTable, build_page_metadata, pages_needed
-from infer.loader import load_model
+from infer.loader import default_eos_ids, load_model, load_tokenizer
 from infer.model_runner import ModelRunner
 from infer.models.mtp_head import load_head
 from infer.sampler import SamplingTensors, make_generator, sample
 from infer.sampling_params import SamplingParams
-from infer.speculative import Drafter, DraftModel, MTPDrafter, SpecStats, speculative_step
+from infer.speculative import Drafter, DraftModel, MTPDrafter, SpecStats, speculative_decode
 
 
 @dataclass
@@ -42,9 +45,7 @@ class Request:
     stopped_by_string: bool = False  # text was cut before a stop string
     prompt_text_decoded: str | None = None  # the prompt as the tokenizer decodes it, to cut from the full text
     num_preemptions: int = 0
-    draft_computed: int = 0  # positions the drafter's cache holds (speculative decoding)
-    draft_carry: tuple | None = None  # the drafter's (logits, hidden) at its last position
-    spec_stats: SpecStats | None = None
+    spec_stats: SpecStats | None = None  # with a drafter attached
     arrival_time: float = field(default_factory=time.perf_counter)
     finish_time: float | None = None
 
@@ -73,6 +74,15 @@ class EngineConfig:
     max_num_batched_tokens: int = 2048
     backend: str = "auto"
     num_draft_tokens: int = 4  # K, when a drafter is attached
+
+
+@dataclass
+class ForwardCosts:
+    """Seconds of one forward at a batch size, behind the ideal speculative speedup (see infer.speedup)."""
+
+    decode: float  # the target over one new token per sequence
+    draft: float  # the drafter over one new token per sequence
+    verify: float  # the target over K+1 new tokens per sequence
 
 
 class Engine:
@@ -126,7 +136,11 @@ class Engine:
             )
         drafter_cls = {"draft": DraftModel, "mtp": MTPDrafter}[kind]
         self.drafter = drafter_cls(model, self.pool.num_pages, self.config.page_size, self.config.backend)
-        self.spec_stats = SpecStats(self.num_draft_tokens)
+        self.reset_spec_stats()
+
+    def reset_spec_stats(self) -> None:
+        """Count speculation afresh from here (e.g. after a warm-up run)."""
+        self.spec_stats = SpecStats(self.num_draft_tokens) if self.drafter else None
 
     @classmethod
     def from_pretrained(
@@ -134,8 +148,11 @@ class Engine:
     ) -> "Engine":
         path = Path(path)
         model = load_model(path, dtype=dtype, device=device)
-        tokenizer = AutoTokenizer.from_pretrained(path) if _has_tokenizer(path) else None
-        return cls(model, tokenizer, default_eos_ids(path, model.config), EngineConfig(**config_kwargs))
+        return cls(model, load_tokenizer(path), default_eos_ids(path, model.config), EngineConfig(**config_kwargs))
+
+    def with_config(self, **changes) -> "Engine":
+        """Another engine (own pages, no requests, no drafter) on this one's model, tokenizer and stop ids."""
+        return Engine(self.model, self.tokenizer, self.eos_token_ids, replace(self.config, **changes))
 
     def _default_num_pages(self, dtype: torch.dtype) -> int:
         per_page = self.model.kv_bytes_per_token(dtype) * self.config.page_size
@@ -194,8 +211,9 @@ class Engine:
     def _preempt_newest(self) -> Request:
         victim = self.running.pop()
         victim.page_table.free()
-        victim.num_computed = victim.draft_computed = 0
-        victim.draft_carry = None
+        victim.num_computed = 0
+        if self.drafter is not None:
+            self.drafter.forget(victim.request_id)
         victim.num_preemptions += 1
         self.waiting.appendleft(victim)
         return victim
@@ -240,7 +258,7 @@ class Engine:
             return []
         self.num_steps += 1
         if self._can_speculate(scheduled):
-            return self._finish_step(speculative_step(self, [r for r, _ in scheduled]))
+            return self._finish_step(self._speculative_step([r for r, _ in scheduled]))
         input_ids: list[int] = []
         q_lens, kv_lens, page_lists, sampling = [], [], [], []
         for request, q_len in scheduled:
@@ -260,7 +278,7 @@ class Engine:
             requests = [r for r, _ in sampling]
             tensors = SamplingTensors.from_params([r.params for r in requests], self.device)
             new_tokens = sample(out.logits, tensors, [r.generator for r in requests]).tolist()
-            finished = [r for r, token in zip(requests, new_tokens) if self.append_token(r, token)]
+            finished = [r for r, token in zip(requests, new_tokens) if self._append_token(r, token)]
         if self.drafter is not None:  # keep the drafter in lockstep: it reads what the target just settled
             first_rows = [0, *torch.tensor(q_lens).cumsum(0).tolist()]
             live = [(i, r) for i, (r, _) in enumerate(scheduled) if not r.finished and self._reserve_catch_up(r)]
@@ -268,6 +286,38 @@ class Engine:
                       for i, r in live}
             self.drafter.catch_up([r for _, r in live], hidden)
         return self._finish_step(finished)
+
+    def _speculative_step(self, requests: list[Request]) -> list[Request]:
+        """One draft-verify-accept round, then the bookkeeping: tokens, stops, rollback, catch-up, statistics."""
+        k, drafter = self.num_draft_tokens, self.drafter
+        sampling = SamplingTensors.from_params([r.params for r in requests], self.device)
+        out = speculative_decode(self.runner, drafter, requests, k, sampling, [r.generator for r in requests],
+                                 self.config.page_size)
+        finished, survivors, target_hidden = [], [], {}
+        for request, tokens, hidden in zip(requests, out.emitted, out.hidden_states):
+            request.spec_stats.record(len(tokens) - 1)
+            self.spec_stats.record(len(tokens) - 1)
+            first = request.num_computed
+            if any(self._append_token(request, token, settle=True) for token in tokens):
+                finished.append(request)
+                continue
+            drafter.rollback(request.request_id, request.num_computed)  # rejected drafts past the prefix
+            survivors.append(request)
+            target_hidden[request.request_id] = (first, hidden)
+
+        start = time.perf_counter()
+        drafter.catch_up(survivors, target_hidden)
+        for request in survivors:  # both caches keep their settled prefixes only
+            request.page_table.truncate(max(request.num_computed, drafter.num_cached(request.request_id)))
+        draft_time = out.draft_time_s + time.perf_counter() - start
+
+        share = 1.0 / len(requests)
+        for request in requests:
+            request.spec_stats.draft_time_s += draft_time * share
+            request.spec_stats.verify_time_s += out.verify_time_s * share
+        self.spec_stats.draft_time_s += draft_time
+        self.spec_stats.verify_time_s += out.verify_time_s
+        return finished
 
     def _reserve_catch_up(self, request: Request) -> bool:
         """Pages for the drafter's catch-up; without them it catches up in a later step (no speculation till then)."""
@@ -286,8 +336,7 @@ class Engine:
             return False
         if any(
             r.num_tokens - r.num_computed != 1  # not a plain decode (a prefill chunk)
-            or r.draft_carry is None  # the drafter has not seen this request yet
-            or r.draft_computed != self.drafter.catch_up_end(r)  # the drafter lags (it ran out of pages)
+            or not self.drafter.ready(r)  # the drafter has not seen it yet, or lags (it ran out of pages)
             or r.num_tokens + k >= self.max_model_len
             for r, _ in scheduled
         ):
@@ -304,8 +353,13 @@ class Engine:
             self.running = [r for r in self.running if not r.finished]
         return finished
 
-    def append_token(self, request: Request, token: int) -> bool:
-        """Record a sampled token and decide whether the request stops; frees its pages when it does."""
+    def _append_token(self, request: Request, token: int, settle: bool = False) -> bool:
+        """Record a sampled token and decide whether the request stops; frees its pages when it does.
+
+        settle: the token follows a verified position, so everything before it is now in the cache.
+        """
+        if settle:
+            request.num_computed = request.num_tokens
         request.output_ids.append(token)
         request.token_ids.append(token)
         params = request.params
@@ -319,6 +373,8 @@ class Engine:
             return False
         request.finish_time = time.perf_counter()
         request.page_table.free()
+        if self.drafter is not None:
+            self.drafter.forget(request.request_id)
         if self.tokenizer is not None and not request.stopped_by_string:
             request.text = self._output_text(request)
         return True
@@ -339,6 +395,42 @@ class Engine:
             request.text = text[: min(hits)]
             request.stopped_by_string = True
         return bool(hits)
+
+    # --- measurement ------------------------------------------------------------------------------
+    def forward_costs(self, batch_size: int, context: int = 32, repeats: int = 30) -> ForwardCosts:
+        """The fastest of `repeats` timings of each forward behind speculation, over batch_size sequences with
+        `context` tokens cached (pages borrowed from the pool, then returned)."""
+        if self.drafter is None:
+            raise RuntimeError("forward costs of speculation need a drafter attached")
+        k = self.num_draft_tokens
+        hidden = {"hidden_states": torch.zeros(batch_size, self.model.config.hidden_size, device=self.device,
+                                               dtype=self.drafter.runner.dtype)} if self.drafter.needs_hidden_states else {}
+        return ForwardCosts(decode=self._forward_cost(self.runner, batch_size, 1, context, repeats),
+                            draft=self._forward_cost(self.drafter.runner, batch_size, 1, context, repeats, **hidden),
+                            verify=self._forward_cost(self.runner, batch_size, k + 1, context, repeats))
+
+    def _forward_cost(self, runner: ModelRunner, batch_size: int, q_len: int, context: int, repeats: int,
+                      **model_inputs) -> float:
+        tables = [PageTable(self.pool) for _ in range(batch_size)]
+        try:
+            for table in tables:
+                table.extend(context + q_len)
+            meta = build_page_metadata([t.pages for t in tables], [q_len] * batch_size,
+                                       [context + q_len] * batch_size, self.config.page_size, self.device)
+            ids = torch.ones(batch_size * q_len, dtype=torch.long, device=self.device)
+            rows = torch.arange(batch_size * q_len, device=self.device)
+            if "hidden_states" in model_inputs:  # [B, H] -> one row per new token
+                model_inputs = {"hidden_states": model_inputs["hidden_states"].repeat_interleave(q_len, dim=0)}
+            runner.run(ids, meta, rows, **model_inputs)  # warm-up
+            times = []
+            for _ in range(repeats):  # the fastest run: noise on a shared machine only ever adds time
+                start = time.perf_counter()
+                runner.run(ids, meta, rows, **model_inputs)
+                times.append(time.perf_counter() - start)
+            return min(times)
+        finally:
+            for table in tables:
+                table.free()
 
     # --- convenience ------------------------------------------------------------------------------
     def generate(
@@ -361,19 +453,3 @@ class Engine:
         if bar is not None:
             bar.close()
         return requests
-
-
-def _has_tokenizer(path: Path) -> bool:
-    return any((path / name).is_file() for name in ("tokenizer.json", "tokenizer.model", "tokenizer_config.json"))
-
-
-def default_eos_ids(path: Path, model_config) -> list[int]:
-    """Stop ids from generation_config.json (as Hugging Face does), else from config.json."""
-    eos = None
-    if (path / "generation_config.json").is_file():
-        eos = GenerationConfig.from_pretrained(path).eos_token_id
-    if eos is None:
-        eos = getattr(model_config, "eos_token_id", None)
-    if eos is None:
-        return []
-    return [eos] if isinstance(eos, int) else list(eos)

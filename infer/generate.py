@@ -4,7 +4,7 @@
     python -m infer.generate --model DIR --prompt-file prompts.jsonl --temperature 1 --seed 0 --json
 
 --prompt-file takes JSONL records with a "prompt", "text" or "turns" field (MT-bench and Spec-Bench
-question files work as they are: the first turn is used).
+question files work as they are: the first turn is used; see infer.prompts).
 """
 
 from __future__ import annotations
@@ -17,39 +17,11 @@ from pathlib import Path
 
 import torch
 
-from infer.cli import DTYPES, CliError, add_engine_args, add_spec_args, attach_spec, engine_kwargs, run_cli
+from infer.cli import CliError, add_engine_args, add_spec_args, attach_spec, engine_kwargs, run_cli
 from infer.engine import Engine
+from infer.loader import DTYPES
+from infer.prompts import read_prompt_file
 from infer.sampling_params import SamplingParams
-
-
-def read_prompt_file(path: Path) -> list[str]:
-    if not path.is_file():
-        raise CliError(f"--prompt-file {path} does not exist")
-    prompts = []
-    for line_no, line in enumerate(path.read_text().splitlines(), 1):
-        if not line.strip():
-            continue
-        try:
-            record = json.loads(line)
-        except json.JSONDecodeError as err:
-            raise CliError(f"{path}:{line_no}: not valid JSON ({err.msg})") from err
-        text = record if isinstance(record, str) else prompt_of(record)
-        if not isinstance(text, str):
-            raise CliError(f"{path}:{line_no}: expected a string field 'prompt', 'text' or 'turns'")
-        prompts.append(text)
-    if not prompts:
-        raise CliError(f"--prompt-file {path} holds no prompts")
-    return prompts
-
-
-def prompt_of(record: object) -> str | None:
-    if not isinstance(record, dict):
-        return None
-    for key in ("prompt", "text"):
-        if isinstance(record.get(key), str):
-            return record[key]
-    turns = record.get("turns")
-    return turns[0] if isinstance(turns, list) and turns else None
 
 
 def build_parser() -> argparse.ArgumentParser:

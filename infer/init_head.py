@@ -11,7 +11,7 @@ import argparse
 import sys
 from pathlib import Path
 
-from infer.cli import CliError, run_cli
+from infer.cli import run_cli
 from infer.loader import load_model
 from infer.models.mtp_head import init_head_from_target, save_head
 
@@ -23,11 +23,10 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--out", required=True, type=Path, help="head folder to write")
     parser.add_argument("--architecture", choices=["mtp", "eagle1"], default="mtp",
                         help="mtp: with input and final norms; eagle1: no norms, biased projection")
+    parser.add_argument("--overwrite", action="store_true", help="replace a head already in --out (nothing else)")
     args = parser.parse_args(argv)
-    target = load_model(args.target)
-    if target.config.model_type != "llama":
-        raise CliError(f"--target {args.target}: untrained heads are built from Llama targets only")
-    save_head(init_head_from_target(target, str(args.target), args.architecture), args.out)
+    head = init_head_from_target(load_model(args.target), str(args.target), args.architecture)
+    save_head(head, args.out, overwrite=args.overwrite)
     print(f"wrote {args.out}")
     return 0
 

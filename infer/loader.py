@@ -12,7 +12,7 @@ from pathlib import Path
 
 import torch
 from safetensors import SafetensorError, safe_open
-from transformers import AutoConfig, PretrainedConfig
+from transformers import AutoConfig, AutoTokenizer, GenerationConfig, PretrainedConfig, PreTrainedTokenizerBase
 
 # model_type in config.json -> the class in infer/models that implements it (one file per architecture).
 MODEL_CLASSES = {
@@ -21,6 +21,9 @@ MODEL_CLASSES = {
 }
 # Keys some exporters leave in checkpoints that carry no weights of ours.
 IGNORED_KEY_SUFFIXES = ("rotary_emb.inv_freq",)
+# The dtypes a user may name for weights, activations or stored features.
+DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+TOKENIZER_MARKERS = ("tokenizer.json", "tokenizer.model", "tokenizer_config.json")
 
 
 class ModelLoadError(ValueError):
@@ -128,3 +131,24 @@ def _place(
         state[name] = torch.empty(full, dtype=dtype)
     state[name][first : first + tensor.shape[0]] = tensor
     rows_filled[name] = rows_filled.get(name, 0) + tensor.shape[0]
+
+
+def load_tokenizer(path: str | Path) -> PreTrainedTokenizerBase | None:
+    """The folder's tokenizer, or None when it has none (a model can still be served on token ids)."""
+    path = Path(path)
+    if not any((path / name).is_file() for name in TOKENIZER_MARKERS):
+        return None
+    return AutoTokenizer.from_pretrained(path)
+
+
+def default_eos_ids(path: str | Path, model_config: PretrainedConfig) -> list[int]:
+    """Stop ids from generation_config.json (as Hugging Face does), else from config.json."""
+    path = Path(path)
+    eos = None
+    if (path / "generation_config.json").is_file():
+        eos = GenerationConfig.from_pretrained(path).eos_token_id
+    if eos is None:
+        eos = getattr(model_config, "eos_token_id", None)
+    if eos is None:
+        return []
+    return [eos] if isinstance(eos, int) else list(eos)

@@ -14,15 +14,11 @@ from infer.models.common import ModelOutput
 
 
 class ModelRunner:
-    def __init__(
-        self, model: torch.nn.Module, num_pages: int, page_size: int, backend: str = "auto",
-        kv_dtype: torch.dtype | None = None,
-    ) -> None:
+    def __init__(self, model: torch.nn.Module, num_pages: int, page_size: int, backend: str = "auto") -> None:
         self.model = model
         param = next(model.parameters())
         self.device, self.dtype = param.device, param.dtype
-        self.kv_dtype = kv_dtype or self.dtype
-        self.kv_caches = model.allocate_kv_cache(num_pages, page_size, self.kv_dtype, self.device)
+        self.kv_caches = model.allocate_kv_cache(num_pages, page_size, self.dtype, self.device)  # KV in the model's dtype
         self.backend_name = resolve_backend_name(backend, self.device)
         if self.backend_name == "flashinfer":
             self.attn = FlashInferAttention(dtype=self.dtype, device=self.device, **model.attention_dims())

@@ -1,41 +1,48 @@
 """Speculative decoding: a drafter proposes K tokens, the target verifies them in one forward.
 
-Two drafters share one protocol. A drafter holds its own KV tensors, indexed by the *same* page tables
-as the target's (one allocator, one scheduler), and keeps per request:
-  - `draft_computed`: how many positions its cache holds;
-  - `draft_carry`:    its logits (and, for MTP, its hidden state) at the last of them, which propose the
-                      first draft token of the next step without another forward.
-After every target forward the drafter *catches up* over the positions the target has just settled, so
-it always ends a step in lockstep with the target. The two drafters differ in what a position eats:
-  - `DraftModel` (a small LM): position i reads token t_i, so it runs one token ahead of the target
-    (it also reads the token the target has just emitted).
-  - `MTPDrafter` (an MTP head): position i reads (t_{i+1}, h_i) with h_i the target's hidden state, so
-    it catches up over exactly the positions the target computed; its own h' feeds later drafts.
+Terms (per request):
+  settled   the positions whose KV the target holds (`num_computed`); one more token, the last emitted, is pending
+  carry     the drafter's logits (and, for MTP, its hidden state) at its last cached position: they propose the
+            first draft of the next step without another forward
+  catch-up  after every target forward the drafter runs over the positions the target has just settled, so it
+            ends each step in lockstep with the target
+  emitted   the accepted drafts, then one token from the target (a correction, or a bonus after K acceptances)
 
-A speculative step for a decode-only batch (gpt-fast's `speculative_decode`, batched):
-  1. draft: d_1 from the carried logits; d_2..d_K from K-1 one-token drafter forwards;
-  2. verify: one target forward over [t_last, d_1..d_K] (K+1 positions per request);
-  3. accept: greedy equality or rejection sampling over the full distributions (`rejection_sampler`);
-  4. roll back: the target keeps the accepted prefix, the page table shrinks; the drafter catches up
-     over the accepted span (its drafting writes past that are simply overwritten later).
+A drafter holds its own KV tensors, indexed by the *same* page tables as the target's (one allocator, one
+scheduler), and its per-request state (`DraftState`) behind its methods. The two drafters differ in what a
+position eats:
+  - `DraftModel` (a small LM): position i reads token t_i, so it runs one token ahead of the target;
+  - `MTPDrafter` (an MTP head): position i reads (t_{i+1}, h_i), h_i the target's hidden state, so it catches up
+    over exactly the positions the target computed; its own h' feeds its later drafts.
+
+`speculative_decode` is gpt-fast's `speculative_decode`, batched: a function of the target's runner, the drafter
+and a decode batch that returns the emitted tokens. It never changes a request; the engine appends the tokens,
+stops requests, shrinks page tables, records statistics and calls `Drafter.catch_up`.
 """
 
 from __future__ import annotations
 
 import time
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING
+from typing import Protocol
 
 import torch
+from torch import Tensor
 
-from infer.kv_cache import build_page_metadata
+from infer.kv_cache import PageTable, build_page_metadata
 from infer.model_runner import ModelRunner
 from infer.models.common import ModelOutput
 from infer.rejection_sampler import greedy_verify, rejection_sample
 from infer.sampler import SamplingTensors, sample, target_probs
 
-if TYPE_CHECKING:
-    from infer.engine import Engine, Request
+
+class Sequence(Protocol):
+    """What speculation reads of a request (`infer.engine.Request` is one)."""
+
+    request_id: int
+    token_ids: list[int]  # prompt then output
+    num_computed: int  # settled positions
+    page_table: PageTable
 
 
 @dataclass
@@ -80,6 +87,15 @@ class SpecStats:
         }
 
 
+@dataclass
+class DraftState:
+    """A drafter's view of one request."""
+
+    computed: int = 0  # positions its cache holds
+    logits: Tensor | None = None  # [V] at the last of them (the carry)
+    hidden: Tensor | None = None  # [H] the MTP head's own state there
+
+
 class Drafter:
     """What both drafters share: a ModelRunner over the shared pages, and the catch-up bookkeeping."""
 
@@ -90,68 +106,94 @@ class Drafter:
         self.runner = ModelRunner(model, num_pages, page_size, backend)
         self.page_size = page_size
         self.device = self.runner.device
+        self._states: dict[int, DraftState] = {}
 
-    def catch_up_end(self, request: "Request") -> int:
-        """Positions the drafter should hold once the target has settled `request.num_computed` of them."""
-        return min(request.num_computed + 1 - self.token_shift, request.num_tokens - self.token_shift)
+    # --- per-request state ------------------------------------------------------------------------
+    def num_cached(self, request_id: int) -> int:
+        """Positions of this request in the drafter's cache (its page table must cover them)."""
+        state = self._states.get(request_id)
+        return state.computed if state else 0
 
-    def catch_up(self, requests: list["Request"], target_hidden: dict[int, tuple[int, torch.Tensor]]) -> None:
+    def carried_logits(self, request_id: int) -> Tensor | None:
+        state = self._states.get(request_id)
+        return state.logits if state else None
+
+    def catch_up_end(self, seq: Sequence) -> int:
+        """Positions the drafter should hold once the target has settled `seq.num_computed` of them."""
+        return min(seq.num_computed + 1 - self.token_shift, len(seq.token_ids) - self.token_shift)
+
+    def ready(self, seq: Sequence) -> bool:
+        """Whether the drafter can propose for `seq` now: it has seen it and is in lockstep with the target."""
+        state = self._states.get(seq.request_id)
+        return state is not None and state.logits is not None and state.computed == self.catch_up_end(seq)
+
+    def rollback(self, request_id: int, num_computed: int) -> None:
+        """Forget positions past the target's settled prefix (they hold rejected drafts)."""
+        state = self._states.get(request_id)
+        if state is not None:
+            state.computed = min(state.computed, num_computed)
+
+    def forget(self, request_id: int) -> None:
+        """The request finished or lost its pages (preemption): its drafter state goes with them."""
+        self._states.pop(request_id, None)
+
+    # --- forwards ---------------------------------------------------------------------------------
+    def catch_up(self, seqs: list[Sequence], target_hidden: dict[int, tuple[int, Tensor]]) -> None:
         """Run the drafter over each request's unsettled positions; keep the last position's output as carry.
 
-        target_hidden: request_id -> (first position, [n, H] hidden states) from this step's target forward.
+        target_hidden: request_id -> (first position, [n, H] the target's hidden states from that position).
         """
-        spans = [(r, r.draft_computed, self.catch_up_end(r)) for r in requests]
-        spans = [(r, start, end) for r, start, end in spans if end > start]
+        spans = [(s, self.num_cached(s.request_id), self.catch_up_end(s)) for s in seqs]
+        spans = [(s, start, end) for s, start, end in spans if end > start]
         if not spans:
             return
         input_ids: list[int] = []
-        hidden_rows: list[torch.Tensor] = []
-        for request, start, end in spans:
-            input_ids.extend(request.token_ids[start + self.token_shift : end + self.token_shift])
+        hidden_rows: list[Tensor] = []
+        for seq, start, end in spans:
+            input_ids.extend(seq.token_ids[start + self.token_shift : end + self.token_shift])
             if self.needs_hidden_states:
-                first, hidden = target_hidden[request.request_id]
+                first, hidden = target_hidden[seq.request_id]
                 hidden_rows.append(hidden[start - first : end - first])
         q_lens = [end - start for _, start, end in spans]
-        last_rows = torch.tensor(q_lens).cumsum(0) - 1
+        last_rows = torch.tensor(q_lens).cumsum(0) - 1  # [B] each span's last row in the packed batch
         out = self._forward(
-            input_ids, [r.page_table.pages for r, _, _ in spans], q_lens, [end for _, _, end in spans],
+            input_ids, [s.page_table.pages for s, _, _ in spans], q_lens, [end for _, _, end in spans],
             torch.cat(hidden_rows) if hidden_rows else None, last_rows.to(self.device),
         )
-        for i, (request, _, end) in enumerate(spans):
-            request.draft_computed = end
+        for i, (seq, _, end) in enumerate(spans):
             hidden = out.hidden_states[int(last_rows[i])] if self.needs_hidden_states else None
-            request.draft_carry = (out.logits[i], hidden)
+            self._states[seq.request_id] = DraftState(end, out.logits[i], hidden)
+
+    def propose(
+        self, seqs: list[Sequence], k: int, sampling: SamplingTensors, generators: list[torch.Generator]
+    ) -> tuple[Tensor, Tensor | None]:
+        """Draft k tokens per request: ([B, k] ids, [B, k, V] draft probabilities, or None when all greedy)."""
+        states = [self._states[s.request_id] for s in seqs]
+        logits = torch.stack([s.logits for s in states])  # [B, V]
+        hidden = torch.stack([s.hidden for s in states]) if self.needs_hidden_states else None  # [B, H]
+        page_lists = [s.page_table.pages for s in seqs]
+        tokens, probs = [], []
+        for j in range(k):
+            if not sampling.all_greedy:
+                probs.append(target_probs(logits, sampling.temperature, sampling.top_k, sampling.top_p))
+            tokens.append(sample(logits, sampling, generators))
+            if j == k - 1:
+                break
+            # Position computed + j reads the draft just made (and, for MTP, the head's own last hidden state);
+            # these cache rows past the settled prefix are rewritten by the next catch-up.
+            out = self._forward(tokens[-1].tolist(), page_lists, [1] * len(seqs),
+                                [s.computed + j + 1 for s in states], hidden)
+            logits, hidden = out.logits, (out.hidden_states if self.needs_hidden_states else None)
+        return torch.stack(tokens, dim=1), (torch.stack(probs, dim=1) if probs else None)
 
     def _forward(
         self, input_ids: list[int], page_lists: list[list[int]], q_lens: list[int], kv_lens: list[int],
-        hidden: torch.Tensor | None, logits_indices: torch.Tensor | None = None,
+        hidden: Tensor | None, logits_indices: Tensor | None = None,
     ) -> ModelOutput:
         meta = build_page_metadata(page_lists, q_lens, kv_lens, self.page_size, self.device)
         ids = torch.tensor(input_ids, dtype=torch.long, device=self.device)
         extra = {"hidden_states": hidden} if self.needs_hidden_states else {}
         return self.runner.run(ids, meta, logits_indices, **extra)
-
-    def propose(
-        self, requests: list["Request"], k: int, st: SamplingTensors
-    ) -> tuple[torch.Tensor, torch.Tensor | None]:
-        """Draft k tokens per request: ([B, k] ids, [B, k, V] draft probabilities, or None when all greedy)."""
-        logits = torch.stack([r.draft_carry[0] for r in requests])  # [B, V]
-        hidden = torch.stack([r.draft_carry[1] for r in requests]) if self.needs_hidden_states else None
-        generators = [r.generator for r in requests]
-        page_lists = [r.page_table.pages for r in requests]
-        base = [r.draft_computed for r in requests]
-        tokens, probs = [], []
-        for j in range(k):
-            if not st.all_greedy:
-                probs.append(target_probs(logits, st.temperature, st.top_k, st.top_p))
-            tokens.append(sample(logits, st, generators))
-            if j == k - 1:
-                break
-            # Position base + j reads the draft just made (and, for MTP, the head's own last hidden state).
-            out = self._forward(tokens[-1].tolist(), page_lists, [1] * len(requests), [b + j + 1 for b in base],
-                                hidden)
-            logits, hidden = out.logits, (out.hidden_states if self.needs_hidden_states else None)
-        return torch.stack(tokens, dim=1), (torch.stack(probs, dim=1) if probs else None)
 
 
 class DraftModel(Drafter):
@@ -165,61 +207,38 @@ class MTPDrafter(Drafter):
     needs_hidden_states = True
 
 
-def speculative_step(engine: "Engine", requests: list["Request"]) -> list["Request"]:
-    """One draft-verify-accept round for a decode-only batch; returns the requests that finished."""
-    drafter, stats, k = engine.drafter, engine.spec_stats, engine.num_draft_tokens
-    st = SamplingTensors.from_params([r.params for r in requests], engine.device)
+@dataclass
+class SpecOutput:
+    emitted: list[list[int]]  # per request: the accepted drafts, then the target's token (1..K+1 tokens)
+    hidden_states: Tensor  # [B, K+1, H] the verify forward's hidden states, for the drafter's catch-up
+    draft_time_s: float
+    verify_time_s: float
 
+
+def speculative_decode(
+    target: ModelRunner, drafter: Drafter, seqs: list[Sequence], k: int, sampling: SamplingTensors,
+    generators: list[torch.Generator], page_size: int,
+) -> SpecOutput:
+    """One draft-verify-accept round for a decode batch whose page tables already hold K+1 more positions."""
+    batch = len(seqs)
     start = time.perf_counter()
-    draft_ids, draft_probs = drafter.propose(requests, k, st)  # [B, K], [B, K, V] | None
+    draft_ids, draft_probs = drafter.propose(seqs, k, sampling, generators)  # [B, K], [B, K, V] | None
     draft_time = time.perf_counter() - start
 
-    # Verify: the last emitted token and the K drafts, at positions num_computed .. num_computed + K.
+    # Verify: the pending token and the K drafts, at positions num_computed .. num_computed + K.
     start = time.perf_counter()
-    first = [r.num_computed for r in requests]
-    verify_ids = torch.cat((torch.tensor([r.token_ids[-1] for r in requests])[:, None], draft_ids.cpu()), dim=1)
-    meta = build_page_metadata([r.page_table.pages for r in requests], [k + 1] * len(requests),
-                               [n + k + 1 for n in first], engine.config.page_size, engine.device)
-    out = engine.runner.run(verify_ids.flatten().to(engine.device), meta)
-    target_logits = out.logits.view(len(requests), k + 1, -1)
+    pending = torch.tensor([s.token_ids[-1] for s in seqs])[:, None]  # [B, 1]
+    verify_ids = torch.cat((pending, draft_ids.cpu()), dim=1)  # [B, K+1]
+    meta = build_page_metadata([s.page_table.pages for s in seqs], [k + 1] * batch,
+                               [s.num_computed + k + 1 for s in seqs], page_size, target.device)
+    out = target.run(verify_ids.flatten().to(target.device), meta)
+    target_logits = out.logits.view(batch, k + 1, -1)  # [B, K+1, V]
     if draft_probs is None:
         emitted, num_emitted = greedy_verify(draft_ids, target_logits.argmax(-1))
     else:
-        p = target_probs(target_logits.flatten(0, 1), st.temperature.repeat_interleave(k + 1),
-                         st.top_k.repeat_interleave(k + 1), st.top_p.repeat_interleave(k + 1))
-        emitted, num_emitted = rejection_sample(draft_ids, draft_probs, p.view(len(requests), k + 1, -1),
-                                                [r.generator for r in requests])
-    emitted_rows, counts = emitted.tolist(), num_emitted.tolist()
-    verify_time = time.perf_counter() - start
-
-    finished, survivors, target_hidden = [], [], {}
-    for i, request in enumerate(requests):
-        request.spec_stats.record(counts[i] - 1)
-        stats.record(counts[i] - 1)
-        done = False
-        for token in emitted_rows[i][: counts[i]]:
-            request.num_computed = request.num_tokens  # everything before the new token is now in the cache
-            if engine.append_token(request, token):
-                done = True
-                break
-        if done:
-            finished.append(request)
-            continue
-        # Roll back: positions past the accepted prefix hold rejected drafts in both caches.
-        request.draft_computed = min(request.draft_computed, request.num_computed)
-        survivors.append(request)
-        target_hidden[request.request_id] = (first[i], out.hidden_states[i * (k + 1) : (i + 1) * (k + 1)])
-
-    start = time.perf_counter()
-    drafter.catch_up(survivors, target_hidden)
-    for request in survivors:
-        request.page_table.truncate(max(request.num_computed, request.draft_computed))
-    draft_time += time.perf_counter() - start
-
-    share = 1.0 / len(requests)
-    for request in requests:
-        request.spec_stats.draft_time_s += draft_time * share
-        request.spec_stats.verify_time_s += verify_time * share
-    stats.draft_time_s += draft_time
-    stats.verify_time_s += verify_time
-    return finished
+        repeat = lambda t: t.repeat_interleave(k + 1)  # noqa: E731 - per request -> per verified position
+        p = target_probs(target_logits.flatten(0, 1), repeat(sampling.temperature), repeat(sampling.top_k),
+                         repeat(sampling.top_p)).view(batch, k + 1, -1)  # [B, K+1, V]
+        emitted, num_emitted = rejection_sample(draft_ids, draft_probs, p, generators)
+    rows = [row[:n] for row, n in zip(emitted.tolist(), num_emitted.tolist())]
+    return SpecOutput(rows, out.hidden_states.view(batch, k + 1, -1), draft_time, time.perf_counter() - start)

@@ -23,7 +23,7 @@ python -m infer.generate --model "$MODEL" --prompt-file "$OUT/prompts.jsonl" --t
 echo "== speculative decoding: the target as its own drafter (K=4) and an untrained MTP head (K=2)"
 python -m infer.generate --model "$MODEL" --prompt "Once upon a time" --max-new-tokens 64 \
   --spec draft --draft "$MODEL" --num-draft-tokens 4 --json
-python -m infer.init_head --target "$MODEL" --out "$OUT/untrained_head"
+python -m infer.init_head --target "$MODEL" --out "$OUT/untrained_head" --overwrite
 python -m infer.generate --model "$MODEL" --prompt "Once upon a time" --max-new-tokens 64 \
   --spec mtp --draft "$OUT/untrained_head" --num-draft-tokens 2 --json
 echo "artifacts in $OUT/"

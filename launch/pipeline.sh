@@ -55,10 +55,12 @@ for head in $HEADS; do
     --num-draft-tokens "$K" --threads "$THREADS"
   if [ "$head" = mtp ]; then
     for format in sglang-nextn eagle; do
-      python -m mtp_train.export --head "$RUN/head" --format "$format" --out "$RUN/export-$format" --target "$MODEL"
+      python -m mtp_train.export --head "$RUN/head" --format "$format" --out "$RUN/export-$format" --target "$MODEL" \
+        --overwrite
     done
   else
-    python -m mtp_train.export --head "$RUN/head" --format eagle --out "$RUN/export-eagle" --target "$MODEL"
+    python -m mtp_train.export --head "$RUN/head" --format eagle --out "$RUN/export-eagle" --target "$MODEL" \
+      --overwrite
   fi
 done
 

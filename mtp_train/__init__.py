@@ -1,19 +1,21 @@
 """Training MTP / EAGLE-1 draft heads for the runtime in infer/ (the head trained is infer's MTPHead itself).
 
 One job per file:
+  config.py        the typed schema of conf/config.yaml (types and ranges checked once, at start)
   target.py        the target's config and its frozen shared tensors (embedding, lm_head, final norm), read by name
   heads.py         the head from conf/head (mtp | eagle1, norm switches) and its documented initialisation
   data.py          micro batches of precomputed features, the train/eval split, the unroll's index plan (the shift)
   losses.py        chunked KL / CE (fused with lm_head) and SmoothL1 on features
   unroll.py        the training forward: the head applied K times on its own hidden states
-  trainer.py       DeepSpeed engine, AdamW + warmup/cosine, the step, evaluation, the run
-  checkpoint.py    DeepSpeed checkpoints and resume; the exported head folder
+  distributed.py   everything DeepSpeed: process group, the ZeRO-wrapped head, its checkpoints, gathering
+  checkpoint.py    resume: DeepSpeed's folder guarded by the run's JSON identity
+  trainer.py       the components composed: the step, evaluation, validation, the run, the exported head
   metrics.py       tqdm, metrics.jsonl, wandb
-  dist.py          torchrun / single-process setup (gloo on CPU, nccl on GPU)
   train.py         the Hydra entry point (conf/config.yaml)
   inspect.py       parameter counts and memory per GPU of any config, without weights
   measure_step.py  peak memory of one real-shaped training step (random weights)
   validate.py      the head served by infer/: acceptance, tau, speedup, recomputed loss (also called by the trainer)
+  report.py        a validation report's table, report.json and plots
   plots.py         PNG plots of acceptance, accepted lengths and training curves
   export.py        the head in the runtime, SGLang NextN and EAGLE layouts, and back
 """

@@ -1,65 +1,89 @@
-"""DeepSpeed checkpoints (resume) and the exported head folder (serving).
+"""Resumable training checkpoints: DeepSpeed's folder, guarded by a JSON identity of the run written beside it.
 
-A checkpoint is DeepSpeed's own folder (`checkpoint_dir/step_N/`, `checkpoint_dir/latest`): the head's
-parameters, optimizer and lr-scheduler state, sharded as the ZeRO stage shards them. The target's tensors are
-never in it (they are not parameters of the engine's module). Its client state records the step count (the
-data position is a function of it, see mtp_train.data) and the target's identity; resuming against another
-target, or with another head architecture, fails with the mismatch named.
+`checkpoint_dir/step_N/` holds DeepSpeed's shards (the head's parameters, optimizer and lr-scheduler state, split
+as the ZeRO stage splits them) and `run.json`; `checkpoint_dir/latest` names the newest tag. The target's tensors
+are never in it (they are not parameters of the trained module).
 
-The export is infer's head folder (`save_head`), loadable by `infer.models.mtp_head.load_head` and
-`Engine.load_drafter("mtp", DIR)`.
+`run.json` holds the step and everything that decides the data order and the objective: the target and the
+features' identity, seed, batch layout (micro batch, sequence length, accumulation, world size), held-out records,
+head and loss config. It is written (atomically) before DeepSpeed writes the tag, and `resume` reads and compares it
+before DeepSpeed unpickles anything: a folder received from someone else, or a run changed since, is refused with
+the field named, unless the override `trainer.resume_ignore_mismatch=true` says to continue anyway. DeepSpeed's
+shards are torch pickles; they are loaded only after that check (see the README on what remains).
 """
 
 from __future__ import annotations
 
-from dataclasses import asdict
+import json
 from pathlib import Path
 
-import torch
+from mtp_train.distributed import ZeroHead
 
-from infer.models.mtp_head import MTPHead, save_head
+RUN_FILE = "run.json"
 
 
 class ResumeError(ValueError):
-    """A checkpoint that does not belong to this run's target or head."""
+    """A checkpoint that does not belong to this run; the message names the field."""
 
 
-def save(engine, checkpoint_dir: str | Path, step: int, head: MTPHead) -> None:
-    """Collective: every rank writes its shard."""
-    client_state = {"step": step, "target": head.config.target, "head_config": asdict(head.config)}
-    engine.save_checkpoint(str(checkpoint_dir), tag=f"step_{step}", client_state=client_state)
+def tag(step: int) -> str:
+    return f"step_{step}"
 
 
-def resume(engine, checkpoint_dir: str | Path, head: MTPHead) -> int:
-    """Load checkpoint_dir/latest when there is one; returns the step count to continue from (0 without)."""
+def save(zero_head: ZeroHead, checkpoint_dir: str | Path, step: int, identity: dict, rank: int) -> None:
+    """Collective: rank 0 writes run.json, then every rank writes its DeepSpeed shard."""
+    folder = Path(checkpoint_dir) / tag(step)
+    if rank == 0:
+        folder.mkdir(parents=True, exist_ok=True)
+        tmp = folder / f".{RUN_FILE}.tmp"
+        tmp.write_text(json.dumps({"step": step, **identity}, indent=2, sort_keys=True) + "\n")
+        tmp.replace(folder / RUN_FILE)
+    zero_head.save(checkpoint_dir, tag(step), client_state={"step": step})
+
+
+def latest_identity(checkpoint_dir: str | Path) -> tuple[Path, dict] | None:
+    """(run.json path, its contents) of the checkpoint `latest` names; None when there is no checkpoint."""
     checkpoint_dir = Path(checkpoint_dir)
-    if not (checkpoint_dir / "latest").is_file():
-        return 0
-    path, client_state = engine.load_checkpoint(str(checkpoint_dir))
-    if path is None:
-        raise ResumeError(f"{checkpoint_dir}: `latest` names a checkpoint that cannot be loaded")
-    saved, mine = client_state.get("target", {}), head.config.target
-    for key in ("hidden_size", "vocab_size", "shared_tensors_sha256"):
-        if saved.get(key) != mine.get(key):
-            raise ResumeError(f"{path}: checkpoint was trained against target {saved.get('name')!r} "
-                              f"({key}={saved.get(key)}), this run's target {mine.get('name')!r} has {mine.get(key)}")
-    saved_arch = client_state.get("head_config", {}).get("architecture")
-    if saved_arch != head.config.architecture:
-        raise ResumeError(f"{path}: checkpoint is a {saved_arch!r} head, this run trains {head.config.architecture!r}")
-    return int(client_state["step"])
+    latest = checkpoint_dir / "latest"
+    if not latest.is_file():
+        return None
+    run_file = checkpoint_dir / latest.read_text().strip() / RUN_FILE
+    if not run_file.is_file():
+        raise ResumeError(f"{run_file} is missing: {checkpoint_dir} was not written by this trainer (its checkpoints "
+                          "are not loaded without one); point trainer.checkpoint_dir elsewhere or set "
+                          "trainer.resume=false")
+    try:
+        return run_file, json.loads(run_file.read_text())
+    except json.JSONDecodeError as err:
+        raise ResumeError(f"{run_file} is not JSON: {err}") from err
 
 
-def export_head(head: MTPHead, out: str | Path, rank: int, zero_stage: int) -> Path:
-    """Collective under ZeRO-3 (parameters are gathered on every rank); rank 0 writes the folder."""
-    out = Path(out)
-    if zero_stage == 3:
-        import deepspeed  # noqa: PLC0415
-
-        with deepspeed.zero.GatheredParameters(list(head.parameters()), modifier_rank=None):
-            if rank == 0:
-                save_head(head, out)
-    elif rank == 0:
-        save_head(head, out)
-    if torch.distributed.is_initialized():
-        torch.distributed.barrier()
+def mismatches(saved: dict, mine: dict, prefix: str = "") -> list[str]:
+    """The fields (dotted) where two identities differ."""
+    out = []
+    for key in sorted(set(saved) | set(mine)):
+        a, b = saved.get(key), mine.get(key)
+        if isinstance(a, dict) and isinstance(b, dict):
+            out += mismatches(a, b, f"{prefix}{key}.")
+        elif a != b:
+            out.append(f"{prefix}{key}: checkpoint {a!r}, this run {b!r}")
     return out
+
+
+def resume(zero_head: ZeroHead, checkpoint_dir: str | Path, identity: dict, ignore_mismatch: bool) -> int:
+    """Load checkpoint_dir/latest when there is one; returns the step count to continue from (0 without)."""
+    found = latest_identity(checkpoint_dir)
+    if found is None:
+        return 0
+    run_file, saved = found
+    step = saved.pop("step", None)
+    if not isinstance(step, int):
+        raise ResumeError(f"{run_file}: no step count")
+    differences = mismatches(saved, identity)
+    if differences and not ignore_mismatch:
+        raise ResumeError(f"{run_file}: this run differs from the checkpoint's ({'; '.join(differences[:3])}); "
+                          "set trainer.resume_ignore_mismatch=true to continue anyway, or use another output_dir")
+    path, client_state = zero_head.load(checkpoint_dir)
+    if path is None or client_state.get("step") != step:
+        raise ResumeError(f"{run_file}: the DeepSpeed checkpoint beside it cannot be loaded")
+    return step

@@ -1,57 +1,22 @@
 """Export a head for another runtime, and read every export back into infer's MTPHead.
 
-    python -m mtp_train.export --head DIR --format {runtime,sglang-nextn,eagle} --out DIR [--target DIR]
+    python -m mtp_train.export --head DIR --format {runtime,sglang-nextn,eagle} --out DIR [--target DIR] [--overwrite]
 
-Every format is a folder with config.json and model.safetensors, written atomically (a temp folder renamed into
-place), holding no embedding or lm_head tensor (those are the target's). Each config.json names the target
-("target": name, hidden_size, vocab_size, shared_tensors_sha256) and carries the head's MTPHeadConfig ("mtp_head"),
-so `load_export(dir, target)` rebuilds the same function and refuses a target it was not trained for.
-
-  runtime       infer's head folder, as `save_head` writes it and `Engine.load_drafter("mtp", DIR)` reads it:
-                enorm, hnorm, eh_proj, layer.* (q/k/v and gate/up fused: qkv_proj, gate_up_proj), final_norm.
-  sglang-nextn  DeepSeek-V3's NextN (MTP) layout, as SGLang's DeepseekV3ForCausalLMNextN names it: all under
-                model.layers.0.: enorm, hnorm, eh_proj, shared_head.norm (our final_norm) and the decoder layer with
-                Hugging Face split names (self_attn.q_proj/k_proj/v_proj/o_proj, mlp.gate_proj/up_proj/down_proj,
-                input_layernorm, post_attention_layernorm; an MLA layer keeps its own HF names). NextN has all three
-                norms and an unbiased eh_proj, so only such heads export to it. config.json: architectures
-                ["DeepseekV3ForCausalLMNextN"], num_hidden_layers 1, num_nextn_predict_layers 1, the decoder's shapes,
-                rms_norm_eps, rope settings, and "decoder_type".
-                A Llama decoder layer is NOT what SGLang's class builds (a DeepSeek MLA layer with an MoE MLP): for
-                Llama-decoder heads this is the NextN naming with a Llama decoder layer (model_type "llama",
-                decoder_type "llama"), which SGLang cannot load as is. An MLA head (DeepSeek-V2 target) matches the
-                naming exactly but has a dense MLP where DeepSeek-V3's NextN layer is MoE.
-  eagle         EAGLE-1/2's layout (SafeAILab/EAGLE eagle/model/cnets1.py `Model`; SGLang's LlamaForCausalLMEagle):
-                fc.weight + fc.bias (our eh_proj; a zero bias when the head has none, since those loaders build fc
-                with a bias) and layers.0.* with split names. EAGLE-3's `midlayer` layout is not used: its layer feeds
-                [input_layernorm(emb) ; hidden_norm(h)] (width 2H) into q/k/v after an fc over three target layers,
-                a different function from this head's. Where this head differs from EAGLE-1 its tensors are kept
-                and listed in config.json "export.deviations": layers.0.input_layernorm (EAGLE-1's first layer has
-                none; infer's layer always normalises its input), enorm/hnorm (EAGLE-1 normalises neither input) and
-                norm.weight (our final norm, under EAGLE-3's name; EAGLE-1 has none). Llama decoders only.
-
-Concatenation order: infer's MTPHead projects [enorm(Emb(t_{i+1})) ; hnorm(h_i)], embedding first; SGLang's
-DeepseekModelNextN (cat(enorm(embeds), hnorm(hidden))), EAGLE's cnets (cat(inputs_embeds, hidden_states)) and
-SGLang's LlamaForCausalLMEagle use the same order (DeepSeek-V3's paper writes the hidden state first; the code and
-checkpoints do not), so eh_proj is exported as it is: columns [:H] multiply the embedding, [H:] the hidden state.
-
-Hidden-state convention: this head reads the target's last-layer output before the final norm (infer's
-ModelOutput.hidden_states). EAGLE's code feeds its draft the output of Hugging Face's LlamaModel, after the final
-norm; SGLang's LogitsProcessor stores for the draft the hidden state its model hands over for the logits (after the
-final norm) unless the model file also passes `hidden_states_before_norm` (newer versions, some models). Serving an
-export where the draft gets post-norm states feeds it inputs it was not trained on; config.json
-"export.hidden_state" says which one the head expects. (Read from their sources, not run here.)
+Every format is a folder with config.json and model.safetensors, written atomically, holding no embedding or
+lm_head tensor (those are the target's). Each config.json names the target and carries the head's MTPHeadConfig
+("mtp_head"), so `load_export(dir, target)` rebuilds the same function and refuses a target it was not trained for.
+  runtime       infer's head folder (`save_head`), what `Engine.load_drafter("mtp", DIR)` reads
+  sglang-nextn  DeepSeek-V3's NextN (MTP) layout, all under model.layers.0 (heads with every norm, no bias)
+  eagle         EAGLE-1/2's layout: fc + layers.0 (Llama decoders); deviations from EAGLE-1 listed in config.json
+docs/export_formats.md has each layout's names, the concatenation order, and which hidden state each engine feeds.
+--out must be a new or empty folder, or (with --overwrite) hold an earlier export and nothing else.
 """
 
 from __future__ import annotations
 
 import argparse
 import json
-import os
-import shutil
 import sys
-import tempfile
-from collections.abc import Iterator
-from contextlib import contextmanager
 from dataclasses import asdict
 from pathlib import Path
 
@@ -59,17 +24,20 @@ import torch
 from safetensors.torch import load_file, save_file
 from torch import nn
 
+from infer.atomic_io import atomic_folder
 from infer.cli import CliError, run_cli
 from infer.loader import load_model
 from infer.models.llama import fused_rows
 from infer.models.mtp_head import (
-    HEAD_FORMAT_VERSION,
+    HEAD_FILES,
     HeadLoadError,
     MTPHead,
     MTPHeadConfig,
-    SharedTargetWeights,
+    attach_to_target,
     check_target,
     load_head,
+    load_weights,
+    read_head,
     save_head,
 )
 
@@ -89,30 +57,6 @@ FUSED = {"self_attn.qkv_proj": ("q_proj", "k_proj", "v_proj"), "mlp.gate_up_proj
 
 class ExportError(ValueError):
     """A head that the requested format cannot represent; the message says why."""
-
-
-# --- reading the source head ------------------------------------------------------------------------------------------
-def read_head(path: str | Path) -> MTPHead:
-    """A head folder without a target (export needs no embedding): config.json + model.safetensors, checked."""
-    path = Path(path)
-    if not path.is_dir():
-        raise HeadLoadError(f"head folder {path} does not exist")
-    config_file, weights_file = path / "config.json", path / "model.safetensors"
-    for file in (config_file, weights_file):
-        if not file.is_file():
-            raise HeadLoadError(f"{file} is missing: expected a head folder (config.json + model.safetensors)")
-    try:
-        config = MTPHeadConfig(**json.loads(config_file.read_text()))
-    except (json.JSONDecodeError, TypeError) as err:
-        raise HeadLoadError(f"{config_file} is not a head config: {err}") from err
-    if config.format_version != HEAD_FORMAT_VERSION:
-        raise HeadLoadError(f"{config_file}: head format {config.format_version}, this code reads "
-                            f"{HEAD_FORMAT_VERSION}")
-    head = MTPHead(config)
-    missing, unexpected = head.load_state_dict(load_file(str(weights_file)), strict=False)
-    if missing or unexpected:
-        raise HeadLoadError(f"{weights_file}: missing {missing[:4]}, unexpected {unexpected[:4]}")
-    return head
 
 
 # --- name and layout mapping ----------------------------------------------------------------------------------------
@@ -257,49 +201,28 @@ def check_exportable(config: MTPHeadConfig, fmt: str) -> None:
 
 
 # --- writing ---------------------------------------------------------------------------------------------------
-@contextmanager
-def atomic_folder(out: Path) -> Iterator[Path]:
-    """Yield a temp folder beside `out`; on success it replaces `out` (a crash leaves the old folder or the new one)."""
-    if out.exists() and not out.is_dir():
-        raise ExportError(f"--out {out} exists and is not a folder")
-    out.parent.mkdir(parents=True, exist_ok=True)
-    tmp = Path(tempfile.mkdtemp(prefix=f".{out.name}.", dir=out.parent))
-    try:
-        yield tmp
-    except BaseException:
-        shutil.rmtree(tmp, ignore_errors=True)
-        raise
-    if out.exists():
-        old = Path(tempfile.mkdtemp(prefix=f".{out.name}.old.", dir=out.parent))
-        os.replace(out, old / out.name)
-        os.replace(tmp, out)
-        shutil.rmtree(old)
-    else:
-        os.replace(tmp, out)
-
-
-def export_head(head: str | Path | MTPHead, fmt: str, out: str | Path, target: str | Path | None = None) -> Path:
+def export_head(head: str | Path | MTPHead, fmt: str, out: str | Path, target: str | Path | None = None,
+                overwrite: bool = False) -> Path:
     """Write `head` (a folder or an in-memory MTPHead) in format `fmt` to `out`.
 
     target: the target's folder; when given the head is checked against it (HeadLoadError on a mismatch) and its
-    path is recorded in config.json."""
+    path is recorded in config.json. A non-empty `out` is replaced only with overwrite=True, and only when it holds
+    an export's files alone (infer.atomic_io)."""
     if fmt not in FORMATS:
         raise ExportError(f"unknown format {fmt!r}: choose one of {', '.join(FORMATS)}")
     out = Path(out)
     source = str(head) if not isinstance(head, MTPHead) else f"in-memory {head.config.architecture} head"
     if not isinstance(head, MTPHead):
-        if not Path(head).is_dir():
-            raise HeadLoadError(f"head folder {head} does not exist")
         head = load_head(head, load_model(target)) if target is not None else read_head(head)
     elif target is not None:
         check_target(head.config, load_model(target), "the head")
     config = head.config
     check_exportable(config, fmt)
     if fmt == "runtime":
-        return save_head(head, out)
+        return save_head(head, out, overwrite=overwrite)
     state = {name: t.detach().contiguous().cpu() for name, t in head.state_dict().items()}
     tensors = {name: t.contiguous() for name, t in to_format(state, config, fmt).items()}
-    with atomic_folder(out) as tmp:
+    with atomic_folder(out, owned=HEAD_FILES, overwrite=overwrite) as tmp:
         save_file(tensors, str(tmp / "model.safetensors"), metadata={"format": "pt"})
         config_json = export_config(config, fmt, source, str(target) if target is not None else None)
         (tmp / "config.json").write_text(json.dumps(config_json, indent=2) + "\n")
@@ -329,17 +252,9 @@ def load_export(path: str | Path, target: nn.Module, dtype: torch.dtype | None =
     except TypeError as err:
         raise HeadLoadError(f"{config_file}: 'mtp_head' is not a head config: {err}") from err
     check_target(config, target, str(config_file))
-    state = from_format(load_file(str(weights_file)), config, fmt, weights_file)
     head = MTPHead(config)
-    try:
-        missing, unexpected = head.load_state_dict(state, strict=False)
-    except RuntimeError as err:  # a shape that does not match the config
-        raise HeadLoadError(f"{weights_file}: {str(err).splitlines()[-1].strip()}") from err
-    if missing or unexpected:
-        raise HeadLoadError(f"{weights_file}: missing {missing[:4]}, unexpected {unexpected[:4]}")
-    param = next(target.parameters())
-    head = head.to(device=param.device, dtype=dtype or param.dtype).eval().requires_grad_(False)
-    return head.attach(SharedTargetWeights(target.model.embed_tokens, target.lm_head))
+    load_weights(head, from_format(load_file(str(weights_file)), config, fmt, weights_file), weights_file)
+    return attach_to_target(head, target, dtype, where=str(config_file))
 
 
 # --- command line ---------------------------------------------------------------------------------------------------
@@ -348,14 +263,17 @@ def main(argv: list[str] | None = None) -> int:
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--head", required=True, type=Path, help="the head folder (infer's format, as trained)")
     parser.add_argument("--format", required=True, choices=FORMATS, help="layout to write")
-    parser.add_argument("--out", required=True, type=Path, help="folder to write (replaced atomically)")
+    parser.add_argument("--out", required=True, type=Path,
+                        help="folder to write, atomically: new, empty, or an earlier export with --overwrite")
     parser.add_argument("--target", type=Path, help="the target's folder: check the head belongs to it")
+    parser.add_argument("--overwrite", action="store_true",
+                        help="replace an earlier export in --out (a folder holding anything else is refused)")
     args = parser.parse_args(argv)
     if args.target is not None and not args.target.is_dir():
         raise CliError(f"--target {args.target} does not exist")
     if args.out.resolve() == args.head.resolve():
         raise CliError("--out must differ from --head")
-    out = export_head(args.head, args.format, args.out, args.target)
+    out = export_head(args.head, args.format, args.out, args.target, overwrite=args.overwrite)
     tensors = len(load_file(str(out / "model.safetensors")))
     print(f"wrote {out} ({args.format}, {tensors} tensors)")
     return 0

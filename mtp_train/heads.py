@@ -26,75 +26,28 @@ from omegaconf import DictConfig
 from torch import nn
 from transformers import PretrainedConfig
 
-from infer.models.mtp_head import MTPHead, MTPHeadConfig
-from mtp_train.target import Target, TargetError, read_tensors, shared_tensors_sha256  # noqa: F401 - re-exported
+from infer.models.mtp_head import MTPHead, MTPHeadConfig, head_config_for, target_identity
+from mtp_train.target import Target, TargetError, read_tensors
 
-ARCHITECTURES = ("mtp", "eagle1")
-INITS = ("from_target_last_layer", "random")
-LLAMA_DECODER_KEYS = ("hidden_size", "intermediate_size", "num_attention_heads", "num_key_value_heads", "head_dim",
-                      "rms_norm_eps", "max_position_embeddings", "attention_bias", "mlp_bias", "hidden_act")
-DEEPSEEK_DECODER_KEYS = ("hidden_size", "intermediate_size", "num_attention_heads", "num_key_value_heads",
-                         "q_lora_rank", "kv_lora_rank", "qk_nope_head_dim", "qk_rope_head_dim", "v_head_dim",
-                         "rms_norm_eps", "max_position_embeddings", "attention_bias", "hidden_act")
+SWITCHES = ("enorm", "hnorm", "final_norm", "proj_bias", "layer_input_norm")
 
 
-class HeadConfigError(ValueError):
-    """A head config that cannot be built; the message names the field."""
+def head_config(config: PretrainedConfig, head_cfg: DictConfig, identity: dict) -> MTPHeadConfig:
+    """MTPHeadConfig for a target config and a conf/head entry (its switches as given, not the defaults).
 
-
-def decoder_type(config: PretrainedConfig) -> str:
-    if config.model_type not in ("llama", "deepseek_v2"):
-        raise HeadConfigError(f"no head decoder for model_type {config.model_type!r} (llama, deepseek_v2)")
-    return config.model_type
-
-
-def head_config(config: PretrainedConfig, head_cfg: DictConfig, target_identity: dict) -> MTPHeadConfig:
-    """MTPHeadConfig for a target config and a conf/head entry."""
-    if head_cfg.architecture not in ARCHITECTURES:
-        raise HeadConfigError(f"head.architecture={head_cfg.architecture!r}: unknown head, choose one of {ARCHITECTURES}")
-    if head_cfg.init not in INITS:
-        raise HeadConfigError(f"head.init={head_cfg.init!r}: choose one of {INITS}")
-    kind = decoder_type(config)
-    keys = LLAMA_DECODER_KEYS if kind == "llama" else DEEPSEEK_DECODER_KEYS
-    decoder = {key: getattr(config, key) for key in keys if getattr(config, key, None) is not None}
-    if kind == "deepseek_v2":
-        decoder["q_lora_rank"] = config.q_lora_rank  # None (V2-Lite) is meaningful: a plain q_proj
-    decoder["rope_parameters"] = dict(config.rope_parameters) if getattr(config, "rope_parameters", None) else None
-    return MTPHeadConfig(
-        hidden_size=config.hidden_size, vocab_size=config.vocab_size, decoder=decoder,
-        enorm=bool(head_cfg.enorm), hnorm=bool(head_cfg.hnorm), final_norm=bool(head_cfg.final_norm),
-        proj_bias=bool(head_cfg.proj_bias), layer_input_norm=bool(head_cfg.layer_input_norm),
-        rms_norm_eps=float(config.rms_norm_eps),
-        architecture=str(head_cfg.architecture), target=target_identity, decoder_type=kind,
-    )
-
-
-def target_identity(target: Target, path: str) -> dict:
-    return {
-        "name": target.name, "path": path, "hidden_size": target.config.hidden_size,
-        "vocab_size": target.config.vocab_size,
-        "shared_tensors_sha256": target.shared_sha256,
-    }
+    head.architecture and head.init were checked when the config was composed (mtp_train.config.HeadConfig)."""
+    return head_config_for(config, identity, head_cfg.architecture, **{name: head_cfg[name] for name in SWITCHES})
 
 
 def build_head(target: Target, head_cfg: DictConfig, path: str, dtype: torch.dtype = torch.float32) -> MTPHead:
     """The trainable head, initialised as documented above and attached to the target's shared tensors."""
-    config = head_config(target.config, head_cfg, target_identity(target, path))
-    head = MTPHead(config)
+    identity = target_identity(target.name, target.config, target.shared_sha256, path)
+    head = MTPHead(head_config(target.config, head_cfg, identity))
     init_head(head, target, head_cfg.init, path)
     return head.to(dtype).attach(target.shared)
 
 
 # --- initialisation ----------------------------------------------------------------------------------------
-def init_projection(head: MTPHead) -> None:
-    hidden = head.config.hidden_size
-    with torch.no_grad():
-        head.eh_proj.weight.zero_()
-        head.eh_proj.weight[:, hidden:] = torch.eye(hidden)
-        if head.eh_proj.bias is not None:
-            head.eh_proj.bias.zero_()
-
-
 def init_random(module: nn.Module, std: float) -> None:
     for sub in module.modules():
         if isinstance(sub, nn.Linear):
@@ -111,7 +64,7 @@ def layer_state_from_checkpoint(path: str, config: PretrainedConfig, layer: nn.M
     Llama's checkpoint keeps q/k/v and gate/up apart; infer's layer fuses them (qkv_proj, gate_up_proj), so
     those are concatenated in that order, as infer's loader places them."""
     last = config.num_hidden_layers - 1
-    if decoder_type(config) == "llama":
+    if config.model_type == "llama":
         sources = {name: [f"model.layers.{last}.{n}" for n in _checkpoint_names(name)] for name, _ in layer.named_parameters()}
     else:
         dense = 0  # DeepSeek-V2 layers before first_k_dense_replace are dense; the last one is MoE
@@ -133,7 +86,7 @@ def _checkpoint_names(name: str) -> list[str]:
 
 
 def init_head(head: MTPHead, target: Target, init: str, path: str) -> None:
-    init_projection(head)
+    head.init_identity_projection()
     with torch.no_grad():
         if init == "from_target_last_layer":
             head.layer.load_state_dict(layer_state_from_checkpoint(path, target.config, head.layer))

@@ -23,19 +23,9 @@ from torch import nn
 
 from infer.models.common import RMSNorm
 from infer.models.mtp_head import MTPHead
+from mtp_train.config import compose_training
 from mtp_train.heads import head_config
 from mtp_train.target import target_config
-
-
-
-def compose(overrides: list[str]) -> DictConfig:
-    from hydra import compose as hydra_compose  # noqa: PLC0415
-    from hydra import initialize_config_dir  # noqa: PLC0415
-
-    from mtp_train.train import CONF_DIR  # noqa: PLC0415
-
-    with initialize_config_dir(config_dir=CONF_DIR, version_base=None):
-        return hydra_compose(config_name="config", overrides=list(overrides))
 
 
 def meta_head(cfg: DictConfig) -> MTPHead:
@@ -86,17 +76,17 @@ def memory_estimate(cfg: DictConfig, world_size: int, dtype_bytes: int | None = 
     master_bytes = (4 if dtype_bytes == 2 else 0) if master_bytes is None else master_bytes
     counts = parameter_counts(cfg)
     head = meta_head(cfg)
-    stage, n = int(t.zero_stage), world_size
+    stage, n = t.zero_stage, world_size
     p = counts["trainable"]
-    tokens = int(t.micro_batch_size) * int(t.seq_len)
+    tokens = t.micro_batch_size * t.seq_len
     out = {
         "trainable_weights": p * dtype_bytes / (n if stage == 3 else 1),
         "gradients": p * dtype_bytes / (n if stage >= 2 else 1),
         "optimizer_state": p * (master_bytes + 8) / n,
         "frozen_shared": counts["frozen_shared"] * dtype_bytes,
-        "activations": tokens * int(cfg.loss.unroll_steps) * dtype_bytes
-        * activation_elements_per_token(head, float(cfg.loss.feature) != 0),
-        "loss_chunk": 2 * min(int(cfg.loss.chunk_tokens), tokens) * head.config.vocab_size * 4,
+        "activations": tokens * cfg.loss.unroll_steps * dtype_bytes
+        * activation_elements_per_token(head, cfg.loss.feature != 0),
+        "loss_chunk": 2 * min(cfg.loss.chunk_tokens, tokens) * head.config.vocab_size * 4,
     }
     out["total"] = sum(out.values())
     return out
@@ -108,7 +98,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("overrides", nargs="*", help="Hydra overrides, as for mtp_train.train")
     parser.add_argument("--gpus", type=int, default=8, help="data-parallel GPUs the ZeRO state is split over")
     args = parser.parse_args(argv)
-    cfg = compose(args.overrides)
+    cfg = compose_training(args.overrides, complete=False)
     counts = parameter_counts(cfg)
     t = cfg.trainer
     print(f"{cfg.model.name} / {cfg.head.architecture} head")

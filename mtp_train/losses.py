@@ -81,13 +81,3 @@ def feature_loss(head_hidden: torch.Tensor, target_hidden: torch.Tensor, token_w
     """sum_i token_weight_i * mean_d SmoothL1(h'_i,d, h_{i+1},d), in fp32."""
     per_token = F.smooth_l1_loss(head_hidden.float(), target_hidden.float(), reduction="none").mean(-1)
     return (token_weight.float() * per_token).sum()
-
-
-def reference_distill_loss(x, lm_head_weight, target_hidden, norm_weight, token_weight, eps, w_kl, w_ce):
-    """The same loss with the whole [T, V] logits materialised, by plain autograd: the tests' reference."""
-    log_q = torch.log_softmax(F.linear(x, lm_head_weight).float(), dim=-1)
-    target_logits = next_token_logits(target_hidden, norm_weight, lm_head_weight, eps)
-    log_p = torch.log_softmax(target_logits, dim=-1)
-    kl = (log_p.exp() * (log_p - log_q)).sum(-1)
-    ce = F.nll_loss(log_q, target_logits.argmax(-1), reduction="none")
-    return (token_weight.float() * (w_kl * kl + w_ce * ce)).sum()

@@ -20,8 +20,9 @@ from torch import nn
 
 from infer.models.mtp_head import MTPHead, SharedTargetWeights
 from mtp_train.data import PackedBatch
-from mtp_train.heads import head_config, init_projection, init_random
-from mtp_train.inspect import compose, memory_estimate
+from mtp_train.config import compose_training
+from mtp_train.heads import head_config, init_random
+from mtp_train.inspect import memory_estimate
 from mtp_train.target import Target, target_config
 from mtp_train.unroll import LossWeights, UnrolledHead
 
@@ -31,8 +32,8 @@ def peak_rss() -> int:
 
 
 def main(argv: list[str]) -> int:
-    cfg = compose(argv)
-    tokens = int(cfg.trainer.seq_len)
+    cfg = compose_training(argv, complete=False)
+    tokens = cfg.trainer.seq_len
     baseline = peak_rss()
     config = target_config(cfg.model, need_weights=False)
     vocab, hidden = config.vocab_size, config.hidden_size
@@ -46,12 +47,10 @@ def main(argv: list[str]) -> int:
         lm_head.weight.normal_(0, 0.02, generator=g)
     target = Target(cfg.model.name, config, SharedTargetWeights(embed, lm_head), torch.ones(hidden))
     head = MTPHead(head_config(config, cfg.head, {"name": cfg.model.name}))
-    init_projection(head)
+    head.init_identity_projection()
     init_random(head.layer, 0.02)
     head.attach(target.shared)
-    weights = LossWeights(float(cfg.loss.kl), float(cfg.loss.ce), float(cfg.loss.feature), float(cfg.loss.step_decay),
-                          int(cfg.loss.chunk_tokens))
-    model = UnrolledHead(head, target.norm_weight, target.eps, int(cfg.loss.unroll_steps), weights)
+    model = UnrolledHead(head, target.norm_weight, target.eps, cfg.loss.unroll_steps, LossWeights.from_config(cfg.loss))
     optimizer = torch.optim.AdamW([p for p in head.parameters() if p.requires_grad], lr=1e-4, foreach=False)
     batch = PackedBatch(torch.randint(0, vocab, (tokens,), generator=g), torch.randn(tokens, hidden, generator=g),
                         torch.ones(tokens, dtype=torch.bool), [tokens], [0])
@@ -59,7 +58,7 @@ def main(argv: list[str]) -> int:
     seconds = []
     for _ in range(2):  # the second step is the steady state: AdamW's moments exist from the first step on
         start = time.perf_counter()
-        loss, _ = model(batch, torch.full((int(cfg.loss.unroll_steps),), float(tokens)))
+        loss, _ = model(batch, torch.full((cfg.loss.unroll_steps,), float(tokens)))
         loss.backward()
         optimizer.step()
         optimizer.zero_grad(set_to_none=False)  # gradients stay allocated, as under DeepSpeed

@@ -12,26 +12,28 @@ summary.json.
 from __future__ import annotations
 
 import sys
-from pathlib import Path
 
 import hydra
 from omegaconf import DictConfig
 
-CONF_DIR = str(Path(__file__).resolve().parents[1] / "conf")
+from data_tools.config import CONF_DIR
+from mtp_train.config import TrainConfig  # noqa: F401 - registers the schema conf/config.yaml names
 
 
-@hydra.main(config_path=CONF_DIR, config_name="config", version_base=None)
+@hydra.main(config_path=str(CONF_DIR), config_name="config", version_base=None)
 def main(cfg: DictConfig) -> None:
-    from mtp_train import dist  # noqa: PLC0415 - keep `--cfg job` free of torch/DeepSpeed start-up
+    from data_tools.config import check  # noqa: PLC0415 - keep `--cfg job` free of torch/DeepSpeed start-up
+    from mtp_train import distributed  # noqa: PLC0415
     from mtp_train.trainer import USER_ERRORS, Trainer  # noqa: PLC0415
 
     try:
+        check(cfg)
         Trainer(cfg).fit()
     except USER_ERRORS as err:  # a config or data mistake: one line, no traceback
-        print(f"error: {err}", file=sys.stderr)
+        print(f"error: {' '.join(str(err).split())}", file=sys.stderr)
         raise SystemExit(2) from err
     finally:
-        dist.shutdown()
+        distributed.shutdown()
 
 
 if __name__ == "__main__":

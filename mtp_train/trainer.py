@@ -1,65 +1,39 @@
-"""The training loop: composes target, head, data, losses, DeepSpeed, checkpoints, metrics and export.
+"""The training loop, composed of typed components: target, head, objective, data, ZeRO, checkpoints, metrics.
 
 One optimizer step on every rank: fetch this rank's `grad_accum` micro batches (a pure function of the step
 count), all-reduce their trained-position counts per unroll step (the loss normaliser N_k of the global
-batch), then forward/backward/step each micro batch through the DeepSpeed engine. DeepSpeed divides by
-grad_accum and averages over ranks, so each micro loss is scaled by world * grad_accum / N_k in
-`UnrolledHead`'s normalisers: the gradient is the global token mean, whatever the split.
+batch), then forward/backward/step each micro batch through DeepSpeed (`mtp_train.distributed.ZeroHead`).
+DeepSpeed divides by grad_accum and averages over ranks, so each micro loss is scaled by world * grad_accum / N_k
+in `UnrolledHead`'s normalisers: the gradient is the global token mean, whatever the split.
 """
 
 from __future__ import annotations
 
+import hashlib
 import json
 import math
-import os
-import signal
 import time
+from dataclasses import asdict
 from pathlib import Path
 
 import torch
-from omegaconf import DictConfig
+from omegaconf import DictConfig, OmegaConf
 
+from data_tools.config import ConfigError
 from infer.engine import Engine
-from infer.generate import read_prompt_file
-from infer.loader import ModelLoadError
-from infer.models.mtp_head import HeadLoadError
-from mtp_train import checkpoint, dist
+from infer.loader import DTYPES, ModelLoadError
+from infer.models.mtp_head import HeadLoadError, save_head, shared_tensors_sha256
+from infer.prompts import PromptFileError, read_prompt_file
+from mtp_train import checkpoint, distributed
 from mtp_train.data import FeatureError, MicroBatches, eval_batches, open_features, split_records, step_token_counts
-from mtp_train.heads import HeadConfigError, build_head, shared_tensors_sha256
+from mtp_train.heads import build_head
 from mtp_train.metrics import Metrics
 from mtp_train.target import TargetError, load_target
 from mtp_train.unroll import LossWeights, UnrolledHead
 from mtp_train.validate import validate_head
 
-DTYPES = {"bfloat16": torch.bfloat16, "float32": torch.float32}
-KILL_ENV = "MTP_TRAIN_KILL_AFTER_STEP"  # tests: SIGKILL this process right after that optimizer step
-
-
-class TrainConfigError(ValueError):
-    """A trainer setting out of range; the message names the key."""
-
-
-USER_ERRORS = (TrainConfigError, TargetError, HeadConfigError, FeatureError, checkpoint.ResumeError, HeadLoadError,
-               ModelLoadError)
-
-
-def deepspeed_config(cfg: DictConfig) -> dict:
-    t = cfg.trainer
-    if t.zero_stage not in (1, 2, 3):
-        raise TrainConfigError(f"trainer.zero_stage must be 1, 2 or 3, got {t.zero_stage}")
-    if t.dtype not in DTYPES:
-        raise TrainConfigError(f"trainer.dtype must be one of {', '.join(DTYPES)}, got {t.dtype!r}")
-    return {
-        "train_micro_batch_size_per_gpu": 1,  # one packed micro batch per forward; its record count is ours
-        "gradient_accumulation_steps": int(t.grad_accum),
-        "gradient_clipping": float(t.grad_clip),
-        "zero_optimization": {"stage": int(t.zero_stage)},
-        "bf16": {"enabled": t.dtype == "bfloat16"},
-        "optimizer": {"type": "AdamW", "params": {"lr": float(t.lr), "betas": list(t.betas), "eps": 1e-8,
-                                                  "weight_decay": float(t.weight_decay), "torch_adam": True}},
-        "steps_per_print": 2**31 - 1,
-        "wall_clock_breakdown": False,
-    }
+USER_ERRORS = (ConfigError, TargetError, FeatureError, checkpoint.ResumeError, HeadLoadError,
+               ModelLoadError, PromptFileError)
 
 
 def warmup_cosine(warmup: int, total: int, min_ratio: float):
@@ -82,83 +56,90 @@ def param_groups(head: torch.nn.Module, weight_decay: float) -> list[dict]:
 
 
 class Trainer:
-    def __init__(self, cfg: DictConfig) -> None:
-        import deepspeed  # noqa: PLC0415
+    """Built from a composed, checked config (mtp_train.config.TrainConfig); `fit` runs it to the exported head."""
 
+    def __init__(self, cfg: DictConfig) -> None:
         self.cfg = cfg
         t = cfg.trainer
-        ds_config = deepspeed_config(cfg)
-        for key in ("micro_batch_size", "seq_len", "grad_accum", "max_steps"):
-            if int(t[key]) < 1:
-                raise TrainConfigError(f"trainer.{key} must be >= 1, got {t[key]}")
-        self.rank, self.world, self.device = dist.init(str(t.device))
+        self.rank, self.world, self.device = distributed.init(t.device)
         self.dtype = DTYPES[t.dtype]
-        self.out_dir = Path(str(cfg.output_dir))
+        self.out_dir = Path(cfg.output_dir)
+        self.prompts = read_prompt_file(cfg.validate.prompts) if cfg.validate.prompts else None  # mistakes now
 
         # The target's shared tensors: read by name, frozen, once; the head references them.
         self.target = load_target(cfg.model, self.dtype, self.device)
         self.frozen_sha256 = self.frozen_fingerprint()  # compared at the end: the shared tensors never change
-        self.head = build_head(self.target, cfg.head, str(cfg.model.path), self.dtype).to(self.device)
-        weights = LossWeights(kl=float(cfg.loss.kl), ce=float(cfg.loss.ce), feature=float(cfg.loss.feature),
-                              step_decay=float(cfg.loss.step_decay), chunk_tokens=int(cfg.loss.chunk_tokens))
-        self.num_steps = int(cfg.loss.unroll_steps)
-        self.model = UnrolledHead(self.head, self.target.norm_weight, self.target.eps, self.num_steps, weights)
+        self.head = build_head(self.target, cfg.head, cfg.model.path, self.dtype).to(self.device)
+        self.num_steps = cfg.loss.unroll_steps
+        self.objective = UnrolledHead(self.head, self.target.norm_weight, self.target.eps, self.num_steps,
+                                      LossWeights.from_config(cfg.loss))
 
-        dataset = open_features(str(cfg.features_dir), self.target.config.hidden_size)
-        train_ids, eval_ids = split_records(len(dataset), int(cfg.eval_records), int(cfg.seed))
-        self.micro_batches = MicroBatches(dataset, train_ids, int(t.micro_batch_size), int(t.seq_len), int(cfg.seed),
-                                          self.rank, self.world)
-        self.eval_set = eval_batches(dataset, eval_ids, int(t.micro_batch_size), int(t.seq_len), self.rank, self.world)
+        dataset = open_features(cfg.features_dir, self.target.config.hidden_size)
+        train_ids, eval_ids = split_records(len(dataset), cfg.eval_records, cfg.seed)
+        self.micro_batches = MicroBatches(dataset, train_ids, t.micro_batch_size, t.seq_len, cfg.seed, self.rank,
+                                          self.world)
+        self.eval_set = eval_batches(dataset, eval_ids, t.micro_batch_size, t.seq_len, self.rank, self.world)
+        self.identity = self.run_identity(dataset.manifest)
 
-        schedule = warmup_cosine(int(t.warmup_steps), int(t.max_steps), float(t.min_lr_ratio))
-        self.engine, _, _, _ = deepspeed.initialize(
-            model=self.model, model_parameters=param_groups(self.head, float(t.weight_decay)), config=ds_config,
-            lr_scheduler=lambda opt: torch.optim.lr_scheduler.LambdaLR(opt, schedule),
-        )
-        self.step = checkpoint.resume(self.engine, t.checkpoint_dir, self.head) if t.resume else 0
+        self.zero_head = distributed.ZeroHead(self.objective, param_groups(self.head, t.weight_decay),
+                                              distributed.deepspeed_config(t),
+                                              warmup_cosine(t.warmup_steps, t.max_steps, t.min_lr_ratio))
+        self.step = (checkpoint.resume(self.zero_head, t.checkpoint_dir, self.identity, t.resume_ignore_mismatch)
+                     if t.resume else 0)
         self.served: Engine | None = None  # the target in infer/, for validation (rank 0, loaded on first use)
+
+    def run_identity(self, manifest: dict) -> dict:
+        """What decides the data order and the objective; a resumed run must match it (mtp_train.checkpoint)."""
+        cfg, t = self.cfg, self.cfg.trainer
+        shards = json.dumps([s["sha256"] for s in manifest["shards"]]).encode()
+        return {
+            "target": self.head.config.target,
+            "features": {"num_records": manifest["num_records"], "shards_sha256": hashlib.sha256(shards).hexdigest()},
+            "seed": cfg.seed, "eval_records": cfg.eval_records, "world_size": self.world,
+            "micro_batch_size": t.micro_batch_size, "seq_len": t.seq_len, "grad_accum": t.grad_accum,
+            "head": asdict(self.head.config) | {"target": None},
+            "loss": OmegaConf.to_container(cfg.loss, resolve=True),
+        }
 
     # --- one optimizer step ----------------------------------------------------------------------------
     def normalisers(self, batches) -> torch.Tensor:
         counts = sum(step_token_counts(b, self.num_steps) for b in batches)
-        counts = dist.all_reduce_sum(counts.to(self.device))
+        counts = distributed.all_reduce_sum(counts.to(self.device))
         return counts / (self.world * len(batches))  # DeepSpeed's averaging over ranks and micro batches undone
 
     def train_step(self) -> dict:
-        accum = int(self.cfg.trainer.grad_accum)
+        accum = self.cfg.trainer.grad_accum
         start = time.perf_counter()
         batches = [self.micro_batches(self.step * accum + a) for a in range(accum)]
         norms = self.normalisers(batches)
         totals = torch.zeros(self.num_steps, 4, device=self.device)
         loss_sum = torch.zeros((), device=self.device)
-        self.engine.train()
+        self.zero_head.train()
         for batch in batches:
-            loss, stats = self.engine(batch.to(self.device, self.dtype), norms)
-            self.engine.backward(loss)
-            self.engine.step()
+            loss, stats = self.zero_head(batch.to(self.device, self.dtype), norms)
+            self.zero_head.backward_and_step(loss)
             loss_sum += loss.detach().float() / (self.world * accum)
             totals += stats
         self.step += 1
         tokens = torch.tensor(float(sum(b.num_tokens for b in batches)), device=self.device)
-        reduced = dist.all_reduce_sum(torch.cat((loss_sum[None], tokens[None], totals.flatten())))
+        reduced = distributed.all_reduce_sum(torch.cat((loss_sum[None], tokens[None], totals.flatten())))
         counts = norms * self.world * accum
-        record = {"split": "train", "step": self.step, "loss": reduced[0].item(),
-                  "lr": self.engine.get_lr()[0], "grad_norm": float(self.engine.get_global_grad_norm() or 0.0),
-                  "tokens_per_s": reduced[1].item() / (time.perf_counter() - start),
+        record = {"split": "train", "step": self.step, "loss": reduced[0].item(), "lr": self.zero_head.lr,
+                  "grad_norm": self.zero_head.grad_norm, "tokens_per_s": reduced[1].item() / (time.perf_counter() - start),
                   "records": [r for b in batches for r in b.record_ids]}  # this rank's, for the data-order check
         record.update(per_step_means(reduced[2:].view(self.num_steps, 4), counts))
         return record
 
     @torch.no_grad()
     def evaluate(self) -> dict:
-        self.engine.eval()
+        self.zero_head.eval()
         counts = sum((step_token_counts(b, self.num_steps) for b in self.eval_set), torch.zeros(self.num_steps))
-        counts = dist.all_reduce_sum(counts.to(self.device))
+        counts = distributed.all_reduce_sum(counts.to(self.device))
         totals, loss = torch.zeros(self.num_steps, 4, device=self.device), torch.zeros((), device=self.device)
         for batch in self.eval_set:
-            batch_loss, stats = self.engine(batch.to(self.device, self.dtype), counts)
+            batch_loss, stats = self.zero_head(batch.to(self.device, self.dtype), counts)
             totals, loss = totals + stats, loss + batch_loss.float()
-        reduced = dist.all_reduce_sum(torch.cat((loss[None], totals.flatten())))
+        reduced = distributed.all_reduce_sum(torch.cat((loss[None], totals.flatten())))
         return {"split": "eval", "step": self.step, "loss": reduced[0].item(),
                 **per_step_means(reduced[1:].view(self.num_steps, 4), counts)}
 
@@ -171,20 +152,16 @@ class Trainer:
         v = self.cfg.validate
         if not v.enabled:
             return {}
-        import deepspeed  # noqa: PLC0415
-
-        # Under ZeRO-3 every rank takes part in gathering the head's full parameters; elsewhere a no-op.
-        with deepspeed.zero.GatheredParameters(list(self.head.parameters())):
+        with self.zero_head.gathered(list(self.head.parameters())):  # every rank takes part under ZeRO-3
             if self.rank != 0:
                 return {}
             if self.served is None:  # the target through infer/, loaded once, in its serving precision
                 dtype = self.dtype if self.device.type == "cuda" else torch.float32
-                self.served = Engine.from_pretrained(str(self.cfg.model.path), dtype=dtype, device=str(self.device),
+                self.served = Engine.from_pretrained(self.cfg.model.path, dtype=dtype, device=str(self.device),
                                                      num_pages=8, max_num_seqs=1)
-            prompts = read_prompt_file(Path(str(v.prompts))) if v.prompts else None
             report = validate_head(
-                self.served, self.head, prompts, k=int(v.num_draft_tokens), temperatures=tuple(v.temperatures),
-                max_new_tokens=int(v.max_new_tokens), batch_size=int(v.batch_size), repeats=int(v.repeats),
+                self.served, self.head, self.prompts, k=v.num_draft_tokens, temperatures=tuple(v.temperatures),
+                max_new_tokens=v.max_new_tokens, batch_size=v.batch_size, repeats=v.repeats,
                 trainer_top1=trainer_top1,
             )
         record = {"split": "validate", "step": self.step, "gap_flag": report["gap_flag"],
@@ -195,30 +172,37 @@ class Trainer:
                            **{f"acceptance_{t}_{j}": a for j, a in enumerate(run["acceptance_per_position"])}})
         return record
 
+    def save_checkpoint(self) -> None:
+        checkpoint.save(self.zero_head, self.cfg.trainer.checkpoint_dir, self.step, self.identity, self.rank)
+
+    def save_trained_head(self) -> Path:
+        """infer's head folder in output_dir/head (collective under ZeRO-3: parameters gathered on every rank)."""
+        out = self.out_dir / "head"
+        with self.zero_head.gathered(list(self.head.parameters())):
+            if self.rank == 0:
+                save_head(self.head, out)  # replaces this run's own head from an earlier try, nothing else
+        distributed.barrier()
+        return out
+
     # --- the run ------------------------------------------------------------------------------------------
     def fit(self) -> dict:
         t = self.cfg.trainer
-        total, eval_every, save_every = int(t.max_steps), int(t.eval_every), int(t.save_every)
-        kill_after = int(os.environ.get(KILL_ENV, -1))
-        metrics = Metrics(self.cfg, self.rank, self.step, total, self.out_dir)
-        if eval_every and self.step == 0 and self.eval_set:  # the starting point, to measure what training bought
+        metrics = Metrics(self.cfg, self.rank, self.step, t.max_steps, self.out_dir)
+        if t.eval_every and self.step == 0 and self.eval_set:  # the starting point, to measure what training bought
             metrics.log(self.evaluate())
-        while self.step < total:
+        while self.step < t.max_steps:
             metrics.log(self.train_step())
-            if eval_every and self.eval_set and self.step % eval_every == 0 and self.step < total:
+            if t.eval_every and self.eval_set and self.step % t.eval_every == 0 and self.step < t.max_steps:
                 record = self.evaluate()
                 metrics.log(record)
                 metrics.log(self.validate(record.get("top1_0")))
-            if save_every and self.step % save_every == 0 and self.step < total:
-                checkpoint.save(self.engine, t.checkpoint_dir, self.step, self.head)
-            if self.step == kill_after:
-                os.kill(os.getpid(), signal.SIGKILL)
+            if t.save_every and self.step % t.save_every == 0 and self.step < t.max_steps:
+                self.save_checkpoint()
         final_eval = self.evaluate() if self.eval_set else {}
         metrics.log(final_eval)
         metrics.log(self.validate(final_eval.get("top1_0")))
-        checkpoint.save(self.engine, t.checkpoint_dir, self.step, self.head)
-        head_dir = checkpoint.export_head(self.head, self.out_dir / "head", self.rank, int(t.zero_stage))
-        summary = self.summary(final_eval, head_dir)
+        self.save_checkpoint()
+        summary = self.summary(final_eval, self.save_trained_head())
         metrics.close()
         return summary
 

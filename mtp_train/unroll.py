@@ -17,6 +17,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 import torch
+from omegaconf import DictConfig
 from torch import nn
 
 from infer.models.mtp_head import MTPHead
@@ -32,6 +33,12 @@ class LossWeights:
     feature: float = 0.0
     step_decay: float = 0.8  # step k weighs step_decay ** k
     chunk_tokens: int = 512
+
+    @classmethod
+    def from_config(cls, loss: DictConfig) -> "LossWeights":
+        """From the `loss` node of the training config (mtp_train.config.LossConfig)."""
+        return cls(kl=loss.kl, ce=loss.ce, feature=loss.feature, step_decay=loss.step_decay,
+                   chunk_tokens=loss.chunk_tokens)
 
 
 class UnrolledHead(nn.Module):

@@ -12,12 +12,15 @@ from pathlib import Path
 
 import pytest
 import torch
+from omegaconf import OmegaConf
 from safetensors import safe_open
 
 from data_tools import precompute
-from data_tools.features import EpochSampler, FeatureDataset, TargetHead
+from data_tools.config import compose
+from data_tools.features import EpochSampler, FeatureDataset, next_token_logits
 from data_tools.shards import MANIFEST, sha256_file, temp_path
 from infer.cli import run_cli
+from mtp_train.target import load_target
 
 ROOT = Path(__file__).resolve().parents[1]
 AUX_LAYERS = [1, 3]
@@ -48,7 +51,7 @@ Baseline = namedtuple("Baseline", "dir manifest")
 def baseline(assets_dir: Path, tmp_path_factory) -> Baseline:
     """An uninterrupted single-process run, in this process."""
     out_dir = tmp_path_factory.mktemp("baseline")
-    manifest = precompute.run(precompute.compose_config(overrides(assets_dir, out_dir)))
+    manifest = precompute.run(compose("precompute", overrides(assets_dir, out_dir)))
     return Baseline(out_dir, manifest)
 
 
@@ -63,7 +66,9 @@ def subprocess_env() -> dict[str, str]:
 
 def test_hidden_states_equal_transformers(baseline: Baseline, stories_reference, stories_hf_dir: Path) -> None:
     dataset = FeatureDataset(baseline.dir, aux_layers=AUX_LAYERS)
-    head = TargetHead.from_pretrained(stories_hf_dir)
+    target = load_target(OmegaConf.create({"name": "stories260k", "path": str(stories_hf_dir)}), torch.float32)
+    head = lambda hidden: next_token_logits(hidden, target.norm_weight, target.shared.lm_head.weight,  # noqa: E731
+                                            target.eps)
     layers = stories_reference.model.layers
     captured = {}
     hook = layers[-1].register_forward_hook(lambda m, args, out: captured.update(last=out[0] if isinstance(out, tuple) else out))

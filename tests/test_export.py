@@ -27,7 +27,7 @@ from infer.attention import PackedCausalAttention
 from infer.cli import run_cli
 from infer.engine import Engine, EngineConfig
 from infer.models.llama import LlamaForCausalLM
-from infer.models.mtp_head import HeadLoadError, MTPHead, MTPHeadConfig, init_head_from_target, save_head
+from infer.models.mtp_head import HeadLoadError, MTPHead, MTPHeadConfig, init_head_from_target, read_head, save_head
 from infer.sampling_params import SamplingParams
 from mtp_train.export import ExportError, export_head, load_export, main
 
@@ -176,9 +176,9 @@ def test_a_missing_piece_of_a_fused_projection_is_named(stories_model, head_dirs
 
 def test_cli_replaces_the_folder_atomically_and_fails_in_one_line(stories_hf_dir, head_dirs, tmp_path, capsys):
     out = tmp_path / "exports" / "nextn"
-    for fmt in ("eagle", "sglang-nextn"):  # the second replaces the first
+    for fmt, flags in (("eagle", []), ("sglang-nextn", ["--overwrite"])):  # the second replaces the first
         assert main(["--head", str(head_dirs["mtp"]), "--format", fmt, "--out", str(out),
-                     "--target", str(stories_hf_dir)]) == 0
+                     "--target", str(stories_hf_dir), *flags]) == 0
     assert json.loads((out / "config.json").read_text())["export"]["format"] == "sglang-nextn"
     assert sorted(p.name for p in out.iterdir()) == ["config.json", "model.safetensors"]
     assert [p.name for p in out.parent.iterdir()] == ["nextn"]  # no temp or old folder left
@@ -207,3 +207,28 @@ def test_mla_head_exports_to_nextn_with_its_own_names(stories_model, tmp_path):
         assert torch.equal(reloaded.state_dict()[name], tensor), name
     with pytest.raises(ExportError, match="Llama decoder layer"):
         export_head(head, "eagle", tmp_path / "eagle")
+
+
+def test_export_never_replaces_what_it_did_not_write(head_dirs, tmp_path, capsys):
+    """Into a non-empty folder only with --overwrite, and never into a folder holding anything but an export (the
+    run folder, with its head and checkpoints, above all)."""
+    run = tmp_path / "run"
+    (run / "checkpoints").mkdir(parents=True)
+    (run / "checkpoints" / "latest").write_text("step_2")
+    head = save_head(read_head(head_dirs["mtp"]), run / "head")
+    before = {p.relative_to(run): p.read_bytes() for p in run.rglob("*") if p.is_file()}
+    out = tmp_path / "export"
+    out.mkdir()
+    (out / "notes.txt").write_text("mine")
+    for target, flags in ((run, []), (run, ["--overwrite"]), (out, ["--overwrite"])):
+        code = run_cli(lambda: main(["--head", str(head), "--format", "eagle", "--out", str(target), *flags]))
+        err = capsys.readouterr().err
+        assert code == 2 and err.count("\n") == 1 and "did not write" in err, err
+    assert {p.relative_to(run): p.read_bytes() for p in run.rglob("*") if p.is_file()} == before
+    assert (out / "notes.txt").read_text() == "mine"
+
+    export = tmp_path / "eagle"
+    assert main(["--head", str(head), "--format", "eagle", "--out", str(export)]) == 0
+    assert run_cli(lambda: main(["--head", str(head), "--format", "eagle", "--out", str(export)])) == 2
+    assert "pass --overwrite" in capsys.readouterr().err
+    assert main(["--head", str(head), "--format", "eagle", "--out", str(export), "--overwrite"]) == 0

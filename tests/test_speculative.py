@@ -123,10 +123,11 @@ def page_violations(engine: Engine, step: int) -> list[str]:
     problems = []
     page_size = engine.config.page_size
     for r in engine.running:
-        want = pages_needed(max(r.num_computed, r.draft_computed), page_size)
+        draft_cached = engine.drafter.num_cached(r.request_id) if engine.drafter else 0
+        want = pages_needed(max(r.num_computed, draft_cached), page_size)
         if len(r.page_table.pages) != want:
             problems.append(f"step {step}: request {r.request_id} holds {len(r.page_table.pages)} pages for "
-                            f"num_computed={r.num_computed}, draft_computed={r.draft_computed} (wants {want})")
+                            f"num_computed={r.num_computed}, drafter cached={draft_cached} (wants {want})")
     for r in engine.waiting:
         if r.page_table.pages:
             problems.append(f"step {step}: waiting request {r.request_id} holds pages {r.page_table.pages}")

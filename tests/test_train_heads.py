@@ -12,10 +12,14 @@ from omegaconf import OmegaConf
 
 from infer.attention import PackedCausalAttention, TorchAttention
 from infer.kv_cache import build_page_metadata
-from infer.models.mtp_head import HeadLoadError, MTPHead, MTPHeadConfig, init_head_from_target, load_head, save_head
+from infer.models.mtp_head import (
+    HeadLoadError, MTPHead, MTPHeadConfig, init_head_from_target, load_head, save_head, shared_tensors_sha256,
+)
 from mtp_train.data import PackedBatch, unroll_plan
-from mtp_train.heads import HeadConfigError, build_head, shared_tensors_sha256
-from mtp_train.inspect import compose, parameter_counts
+from data_tools.config import ConfigError
+from mtp_train.config import compose_training
+from mtp_train.heads import build_head
+from mtp_train.inspect import parameter_counts
 from mtp_train.target import load_target
 from mtp_train.trainer import param_groups
 from mtp_train.unroll import LossWeights, UnrolledHead
@@ -45,6 +49,11 @@ def test_every_model_config_composes_with_expected_counts(model):
     assert eagle["trainable"] == counts["trainable"] - 4 * hidden + hidden
 
 
+def compose(overrides: list[str]):
+    """The training config without features_dir, as inspect reads it."""
+    return compose_training(overrides, complete=False)
+
+
 def test_70b_head_matches_the_issue_figures():
     counts = parameter_counts(compose(["model=llama3_1_70b"]))
     assert round(counts["trainable"] / 1e9, 2) == 0.99 and round(counts["decoder_layer"] / 1e9, 2) == 0.86
@@ -62,9 +71,8 @@ def test_cfg_job_prints_the_composed_config():
 def test_unknown_head_is_a_clear_error(stories_hf_dir):
     with pytest.raises(Exception, match="head/foo"):
         compose(["head=foo"])
-    cfg = _cfg(stories_hf_dir, ["head.architecture=medusa"])
-    with pytest.raises(HeadConfigError, match="head.architecture='medusa': unknown head"):
-        build_head(load_target(cfg.model, torch.float32), cfg.head, str(cfg.model.path))
+    with pytest.raises(ConfigError, match="head.architecture must be one of mtp, eagle1, got 'medusa'"):
+        _cfg(stories_hf_dir, ["head.architecture=medusa"])
 
 
 def _cfg(stories_hf_dir, overrides=()):
@@ -219,20 +227,21 @@ def test_deepseek_target_head_init_and_training_step(tmp_path):
 
 
 @pytest.mark.parametrize("override,message", [
-    ("trainer.zero_stage=4", "trainer.zero_stage must be 1, 2 or 3, got 4"),
+    ("trainer.zero_stage=4", "trainer.zero_stage must be one of 1, 2, 3, got 4"),
     ("trainer.dtype=float16", "trainer.dtype must be one of bfloat16, float32, got 'float16'"),
+    ("trainer.lr=-1", "trainer.lr must be >= 0.0, got -1.0"),
+    ("trainer.max_steps=lots", "trainer.max_steps=lots: Value 'lots' of type 'str' could not be converted to Integer"),
 ])
 def test_bad_trainer_values_are_clear_errors(override, message):
-    from mtp_train.trainer import TrainConfigError, deepspeed_config  # noqa: PLC0415
-
-    with pytest.raises(TrainConfigError, match=message):
-        deepspeed_config(compose([override]))
+    with pytest.raises(ConfigError, match=message):
+        compose([override])
 
 
 def test_deepspeed_config_and_schedule():
-    from mtp_train.trainer import deepspeed_config, warmup_cosine  # noqa: PLC0415
+    from mtp_train.distributed import deepspeed_config  # noqa: PLC0415
+    from mtp_train.trainer import warmup_cosine  # noqa: PLC0415
 
-    ds = deepspeed_config(compose(["trainer=zero3", "trainer.dtype=float32", "trainer.grad_accum=4"]))
+    ds = deepspeed_config(compose(["trainer=zero3", "trainer.dtype=float32", "trainer.grad_accum=4"]).trainer)
     assert ds["zero_optimization"]["stage"] == 3 and not ds["bf16"]["enabled"]
     assert ds["gradient_accumulation_steps"] == 4 and ds["optimizer"]["params"]["torch_adam"]  # no FusedAdam JIT
     factor = warmup_cosine(warmup=10, total=110, min_ratio=0.1)

@@ -4,9 +4,20 @@ from __future__ import annotations
 
 import pytest
 import torch
+import torch.nn.functional as F
 
 from data_tools.features import next_token_logits
-from mtp_train.losses import distill_loss, feature_loss, reference_distill_loss
+from mtp_train.losses import distill_loss, feature_loss
+
+
+def reference_distill_loss(x, lm_head_weight, target_hidden, norm_weight, token_weight, eps, w_kl, w_ce):
+    """The same loss with the whole [T, V] logits materialised, by plain autograd: the tests' reference."""
+    log_q = torch.log_softmax(F.linear(x, lm_head_weight).float(), dim=-1)
+    target_logits = next_token_logits(target_hidden, norm_weight, lm_head_weight, eps)
+    log_p = torch.log_softmax(target_logits, dim=-1)
+    kl = (log_p.exp() * (log_p - log_q)).sum(-1)
+    ce = F.nll_loss(log_q, target_logits.argmax(-1), reduction="none")
+    return (token_weight.float() * (w_kl * kl + w_ce * ce)).sum()
 
 
 def _inputs(tokens=37, hidden=16, vocab=101, seed=0):

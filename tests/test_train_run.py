@@ -30,11 +30,14 @@ def _env(**extra) -> dict:
     return env
 
 
-def _train(out: Path, features: Path, model: Path, extra=(), nproc: int = 1, env=None, check=True):
+def _train(out: Path, features: Path, model: Path, extra=(), nproc: int = 1, env=None, check=True,
+           kill_after_step: int | None = None):
     env = env or _env()
     if nproc > 1:  # through the launcher script, as a user runs it
         launcher = ["bash", str(ROOT / "launch" / "train.sh")]
         env.update(NPROC_PER_NODE=str(nproc), TORCHRUN=f"{sys.executable} -m torch.distributed.run")
+    elif kill_after_step is not None:  # the trainer, SIGKILLed after that step (tests/kill_after_step.py)
+        launcher = [sys.executable, "-m", "tests.kill_after_step", str(kill_after_step)]
     else:
         launcher = [sys.executable, "-m", "mtp_train.train"]
     cmd = launcher + [f"features_dir={features}", f"output_dir={out}", f"model.path={model}", *COMMON, *extra]
@@ -83,8 +86,7 @@ def test_two_processes_zero2_match_one_process_with_the_same_global_batch(tmp_pa
 
 
 def test_kill_and_resume_continue_the_same_steps_and_data(tmp_path, one_process, features, stories_hf_dir):
-    killed = _train(tmp_path, features, stories_hf_dir, ["trainer.grad_accum=2"],
-                    env=_env(MTP_TRAIN_KILL_AFTER_STEP="3"), check=False)
+    killed = _train(tmp_path, features, stories_hf_dir, ["trainer.grad_accum=2"], kill_after_step=3, check=False)
     assert killed.returncode != 0 and not (tmp_path / "head").exists()
     assert (tmp_path / "checkpoints" / "latest").read_text().strip() == "step_2"
     _train(tmp_path, features, stories_hf_dir, ["trainer.grad_accum=2"])

@@ -89,7 +89,8 @@ def test_recomputed_head_logits_are_the_drafters_own(stories_model):
     engine.step()  # prefill, sample t_6, drafter catches up over positions 0..5
     head_logits, target_logits = aligned_logits(stories_model, head, request.token_ids)
     assert head_logits.shape == target_logits.shape == (6, 512)
-    torch.testing.assert_close(head_logits[-1], request.draft_carry[0], atol=1e-5, rtol=1e-5)
+    torch.testing.assert_close(head_logits[-1], engine.drafter.carried_logits(request.request_id), atol=1e-5,
+                               rtol=1e-5)
 
 
 def test_top1_gap_flags_more_than_two_points():

@@ -41,10 +41,13 @@ def run_decoder_layers(
 
 def final_logits(norm: nn.Module, lm_head: nn.Module, hidden_states: torch.Tensor,
                  indices: torch.Tensor | None = None) -> torch.Tensor:
-    """Final norm + lm_head on the chosen rows of pre-norm hidden states; fp32 logits."""
+    """Final norm + lm_head on the chosen rows of pre-norm hidden states; fp32 logits.
+
+    The normed states are cast to lm_head's dtype: a head may run in another precision than the target's lm_head.
+    """
     if indices is not None:
         hidden_states = hidden_states[indices]
-    return lm_head(norm(hidden_states)).float()
+    return lm_head(norm(hidden_states).to(lm_head.weight.dtype)).float()
 
 
 class RMSNorm(nn.Module):

@@ -14,16 +14,15 @@ h'_i stands in for the target's h_{i+1} when the head drafts a second token. Eac
 (EAGLE-1 has none and adds a bias to the projection) so their effect can be measured.
 
 A head folder holds `config.json` (`MTPHeadConfig` plus the decoder layer's config) and `model.safetensors`
-with keys enorm.weight, hnorm.weight, eh_proj.weight (+ .bias), layer.*, final_norm.weight.
+with keys enorm.weight, hnorm.weight, eh_proj.weight (+ .bias), layer.*, final_norm.weight. This module is the one
+home of that format: `read_head` (no target needed), `attach_to_target`, `load_head` (both), `save_head`, and the
+builders `head_config_for` and `init_head_from_target`.
 """
 
 from __future__ import annotations
 
 import hashlib
 import json
-import os
-import shutil
-import tempfile
 import weakref
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
@@ -33,12 +32,22 @@ from safetensors.torch import load_file, save_file
 from torch import nn
 from transformers import DeepseekV2Config, LlamaConfig, PretrainedConfig
 
+from infer.atomic_io import atomic_folder
 from infer.attention import AttentionBackend
-from infer.models.common import ModelOutput, RMSNorm, RotaryEmbedding, half_split_cos_sin
+from infer.models.common import ModelOutput, RMSNorm, RotaryEmbedding, final_logits, half_split_cos_sin
 from infer.models.deepseek_v2 import DeepseekV2DecoderLayer
 from infer.models.llama import LlamaDecoderLayer
 
 HEAD_FORMAT_VERSION = 1
+ARCHITECTURES = ("mtp", "eagle1")
+# The target config fields a head's decoder layer copies, per decoder type.
+DECODER_KEYS = {
+    "llama": ("hidden_size", "intermediate_size", "num_attention_heads", "num_key_value_heads", "head_dim",
+              "rms_norm_eps", "max_position_embeddings", "attention_bias", "mlp_bias", "hidden_act"),
+    "deepseek_v2": ("hidden_size", "intermediate_size", "num_attention_heads", "num_key_value_heads", "q_lora_rank",
+                    "kv_lora_rank", "qk_nope_head_dim", "qk_rope_head_dim", "v_head_dim", "rms_norm_eps",
+                    "max_position_embeddings", "attention_bias", "hidden_act"),
+}
 
 
 class HeadLoadError(ValueError):
@@ -110,6 +119,15 @@ class MTPHead(nn.Module):
         self.shared = shared
         return self
 
+    def init_identity_projection(self) -> None:
+        """eh_proj = [0 | I] (and a zero bias): the head starts by passing h_i through and ignoring the token."""
+        hidden = self.config.hidden_size
+        with torch.no_grad():
+            self.eh_proj.weight.zero_()
+            self.eh_proj.weight[:, hidden:] = torch.eye(hidden)
+            if self.eh_proj.bias is not None:
+                self.eh_proj.bias.zero_()
+
     def forward(
         self,
         input_ids: torch.Tensor,
@@ -132,9 +150,7 @@ class MTPHead(nn.Module):
         return ModelOutput(self.compute_logits(x, logits_indices), x)
 
     def compute_logits(self, hidden_states: torch.Tensor, indices: torch.Tensor | None = None) -> torch.Tensor:
-        if indices is not None:
-            hidden_states = hidden_states[indices]
-        return self.shared.lm_head(self.final_norm(hidden_states).to(self.shared.lm_head.weight.dtype)).float()
+        return final_logits(self.final_norm, self.shared.lm_head, hidden_states, indices)
 
     # --- KV cache: one layer (Llama: K/V pages; DeepSeek-V2: latent and rope-key pages) ----------
     def allocate_kv_cache(self, num_pages: int, page_size: int, dtype: torch.dtype, device: torch.device) -> list:
@@ -182,6 +198,13 @@ def target_digest(target: nn.Module) -> str:
     return _DIGESTS[target]
 
 
+def target_identity(name: str, config: PretrainedConfig, shared_sha256: str, path: str | None = None) -> dict:
+    """What a head records of its target (MTPHeadConfig.target) and checks when it is loaded against one."""
+    identity = {"name": name, "hidden_size": config.hidden_size, "vocab_size": config.vocab_size,
+                "shared_tensors_sha256": shared_sha256}
+    return {**identity, "path": path} if path is not None else identity
+
+
 def check_target(config: MTPHeadConfig, target: nn.Module, where: str) -> None:
     """Refuse a head made for another target: hidden size and vocabulary, then the shared tensors' digest."""
     if (config.hidden_size, config.vocab_size) != (target.config.hidden_size, target.config.vocab_size):
@@ -196,31 +219,34 @@ def check_target(config: MTPHeadConfig, target: nn.Module, where: str) -> None:
                             "differ from this target's")
 
 
-def target_identity(target: nn.Module, name: str) -> dict:
-    return {
-        "name": name,
-        "hidden_size": target.config.hidden_size,
-        "vocab_size": target.config.vocab_size,
-        "shared_tensors_sha256": shared_tensors_sha256(target.model.embed_tokens.weight, target.lm_head.weight),
-    }
+# --- building a head for a target ------------------------------------------------------------------------------
+def head_config_for(target_config: PretrainedConfig, identity: dict, architecture: str = "mtp",
+                    **switches: bool) -> MTPHeadConfig:
+    """A head whose decoder layer is shaped like one of the target's layers.
 
-
-def head_config_from_target(target: nn.Module, target_name: str, architecture: str = "mtp") -> MTPHeadConfig:
-    """A head shaped like one of the target's (Llama) layers; eagle1 drops the norms and biases the projection."""
-    cfg = target.config
-    decoder = {
-        key: getattr(cfg, key)
-        for key in ("hidden_size", "intermediate_size", "num_attention_heads", "num_key_value_heads", "head_dim",
-                    "rms_norm_eps", "max_position_embeddings", "attention_bias", "mlp_bias", "hidden_act")
-        if getattr(cfg, key, None) is not None
-    }
-    decoder["rope_parameters"] = dict(cfg.rope_parameters) if getattr(cfg, "rope_parameters", None) else None
+    The norm and bias switches (enorm, hnorm, final_norm, proj_bias, layer_input_norm) default to the
+    architecture's: mtp has every norm and an unbiased projection, eagle1 no norm and a biased one.
+    """
+    kind = target_config.model_type
+    if kind not in DECODER_KEYS:
+        raise HeadLoadError(f"no head decoder for model_type {kind!r} ({', '.join(DECODER_KEYS)})")
+    if architecture not in ARCHITECTURES:
+        raise HeadLoadError(f"unknown head architecture {architecture!r}: choose one of {', '.join(ARCHITECTURES)}")
+    decoder = {key: getattr(target_config, key) for key in DECODER_KEYS[kind]
+               if getattr(target_config, key, None) is not None}
+    if kind == "deepseek_v2":
+        decoder["q_lora_rank"] = target_config.q_lora_rank  # None (V2-Lite) is meaningful: a plain q_proj
+    rope = getattr(target_config, "rope_parameters", None)
+    decoder["rope_parameters"] = dict(rope) if rope else None
     norms = architecture == "mtp"
+    defaults = dict(enorm=norms, hnorm=norms, final_norm=norms, proj_bias=not norms, layer_input_norm=norms)
+    unknown = sorted(set(switches) - set(defaults))
+    if unknown:
+        raise HeadLoadError(f"unknown head switch {unknown[0]!r}: choose from {', '.join(defaults)}")
     return MTPHeadConfig(
-        hidden_size=cfg.hidden_size, vocab_size=cfg.vocab_size, decoder=decoder, enorm=norms, hnorm=norms,
-        final_norm=norms, proj_bias=not norms, layer_input_norm=norms, rms_norm_eps=cfg.rms_norm_eps,
-        architecture=architecture,
-        target=target_identity(target, target_name),
+        hidden_size=target_config.hidden_size, vocab_size=target_config.vocab_size, decoder=decoder,
+        rms_norm_eps=float(target_config.rms_norm_eps), architecture=architecture, target=identity,
+        decoder_type=kind, **{**defaults, **switches},
     )
 
 
@@ -228,16 +254,15 @@ def init_head_from_target(target: nn.Module, target_name: str, architecture: str
     """An untrained head: the target's last layer, the projection passing h_i through and ignoring the token.
 
     It drafts what one more pass of the last layer over h_i would say: a real but weak guess (low acceptance),
-    which is what tests of the speculation machinery need before trained heads exist.
+    which is what tests of the speculation machinery need before trained heads exist. Llama targets.
     """
-    config = head_config_from_target(target, target_name, architecture)
+    if target.config.model_type != "llama":
+        raise HeadLoadError(f"untrained heads are built from Llama targets only, not {target.config.model_type!r}")
+    identity = target_identity(target_name, target.config, target_digest(target))
+    config = head_config_for(target.config, identity, architecture)
     head = MTPHead(config).to(dtype=next(target.parameters()).dtype)
-    hidden = config.hidden_size
+    head.init_identity_projection()
     with torch.no_grad():
-        head.eh_proj.weight.zero_()
-        head.eh_proj.weight[:, hidden:] = torch.eye(hidden)
-        if head.eh_proj.bias is not None:
-            head.eh_proj.bias.zero_()
         wanted = head.layer.state_dict().keys()  # without its input norm when the head drops it (eagle1)
         head.layer.load_state_dict({k: v for k, v in target.model.layers[-1].state_dict().items() if k in wanted})
         if config.final_norm:
@@ -245,44 +270,70 @@ def init_head_from_target(target: nn.Module, target_name: str, architecture: str
     return head.attach(SharedTargetWeights(target.model.embed_tokens, target.lm_head))
 
 
-def save_head(head: MTPHead, out: str | Path) -> Path:
-    """Write config.json + model.safetensors atomically (a temp folder renamed into place)."""
+# --- the head folder -----------------------------------------------------------------------------------------
+HEAD_FILES = ("config.json", "model.safetensors")
+
+
+def save_head(head: MTPHead, out: str | Path, overwrite: bool = True) -> Path:
+    """Write config.json + model.safetensors atomically (a temp folder renamed into place).
+
+    An existing `out` is replaced only when it holds nothing but a head's two files (and overwrite is true).
+    """
     out = Path(out)
-    out.parent.mkdir(parents=True, exist_ok=True)
-    tmp = Path(tempfile.mkdtemp(prefix=f".{out.name}.", dir=out.parent))
     state = {k: v.detach().contiguous().cpu() for k, v in head.state_dict().items()}
-    save_file(state, str(tmp / "model.safetensors"), metadata={"format": "pt"})
-    (tmp / "config.json").write_text(json.dumps(asdict(head.config), indent=2) + "\n")
-    if out.exists():  # swap, so a crash leaves either the old head or the new one
-        old = out.with_name(f".{out.name}.old")
-        os.replace(out, old)
-        os.replace(tmp, out)
-        shutil.rmtree(old)
-    else:
-        os.replace(tmp, out)
+    with atomic_folder(out, owned=HEAD_FILES, overwrite=overwrite) as tmp:
+        save_file(state, str(tmp / "model.safetensors"), metadata={"format": "pt"})
+        (tmp / "config.json").write_text(json.dumps(asdict(head.config), indent=2) + "\n")
     return out
 
 
-def load_head(path: str | Path, target: nn.Module, dtype: torch.dtype | None = None) -> MTPHead:
-    """Load a head folder against `target`, refusing a head trained for a different target."""
+def read_head(path: str | Path) -> MTPHead:
+    """A head folder on the CPU, unattached (export needs no target): config.json + model.safetensors, checked."""
     path = Path(path)
+    if not path.is_dir():
+        raise HeadLoadError(f"head folder {path} does not exist (expected config.json + model.safetensors)")
     config_file, weights_file = path / "config.json", path / "model.safetensors"
     for file in (config_file, weights_file):
         if not file.is_file():
             raise HeadLoadError(f"{file} is missing: expected a head folder (config.json + model.safetensors)")
     try:
-        raw = json.loads(config_file.read_text())
-        config = MTPHeadConfig(**raw)
+        config = MTPHeadConfig(**json.loads(config_file.read_text()))
     except (json.JSONDecodeError, TypeError) as err:
         raise HeadLoadError(f"{config_file} is not a head config: {err}") from err
     if config.format_version != HEAD_FORMAT_VERSION:
         raise HeadLoadError(f"{config_file}: head format {config.format_version}, this runtime reads {HEAD_FORMAT_VERSION}")
-    check_target(config, target, str(config_file))
     head = MTPHead(config)
-    state = load_file(str(weights_file))
-    missing, unexpected = head.load_state_dict(state, strict=False)
+    load_weights(head, load_file(str(weights_file)), weights_file)
+    return head
+
+
+def load_weights(head: MTPHead, state: dict[str, torch.Tensor], source: Path) -> None:
+    """Fill `head` from a state dict read from `source`; a missing, unexpected or misshapen tensor names it."""
+    try:
+        missing, unexpected = head.load_state_dict(state, strict=False)
+    except RuntimeError as err:  # a shape that does not match the config
+        raise HeadLoadError(f"{source}: {str(err).splitlines()[-1].strip()}") from err
     if missing or unexpected:
-        raise HeadLoadError(f"{weights_file}: missing {missing[:4]}, unexpected {unexpected[:4]}")
-    dtype = dtype or next(target.parameters()).dtype
-    head = head.to(device=next(target.parameters()).device, dtype=dtype).eval().requires_grad_(False)
+        raise HeadLoadError(f"{source}: missing {missing[:4]}, unexpected {unexpected[:4]}")
+
+
+def copy_head(head: MTPHead) -> MTPHead:
+    """A detached copy of a head's config and weights (the trainer's module stays as it is)."""
+    copy = MTPHead(head.config)
+    copy.load_state_dict({name: tensor.detach() for name, tensor in head.state_dict().items()})
+    return copy
+
+
+def attach_to_target(head: MTPHead, target: nn.Module, dtype: torch.dtype | None = None,
+                     where: str = "the head") -> MTPHead:
+    """The head as the runtime serves it: checked against `target`, on its device, in `dtype` (default the
+    target's), frozen, and reading the target's own embedding and lm_head."""
+    check_target(head.config, target, where)
+    param = next(target.parameters())
+    head = head.to(device=param.device, dtype=dtype or param.dtype).eval().requires_grad_(False)
     return head.attach(SharedTargetWeights(target.model.embed_tokens, target.lm_head))
+
+
+def load_head(path: str | Path, target: nn.Module, dtype: torch.dtype | None = None) -> MTPHead:
+    """Load a head folder against `target`, refusing a head trained for a different target."""
+    return attach_to_target(read_head(path), target, dtype, where=str(Path(path) / "config.json"))

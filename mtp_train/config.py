@@ -1,0 +1,110 @@
+"""The typed schema of head training (conf/config.yaml), on the model and data schemas of `data_tools.config`.
+
+Hydra checks each value's type while composing; `data_tools.config.check` tests the ranges in field metadata.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Optional
+
+from hydra.core.config_store import ConfigStore
+from omegaconf import MISSING, DictConfig
+
+from data_tools.config import DataConfig, ModelConfig, at_least, compose, one_of
+
+
+@dataclass
+class HeadLoss:
+    """A head architecture's loss recipe; conf/config.yaml's `loss` reads it by interpolation."""
+
+    kl: float = field(default=1.0, metadata=at_least(0.0))
+    ce: float = field(default=0.0, metadata=at_least(0.0))
+    feature: float = field(default=0.0, metadata=at_least(0.0))
+
+
+@dataclass
+class HeadConfig:
+    architecture: str = field(default="mtp", metadata=one_of("mtp", "eagle1"))
+    enorm: bool = True
+    hnorm: bool = True
+    final_norm: bool = True
+    layer_input_norm: bool = True
+    proj_bias: bool = False
+    init: str = field(default="from_target_last_layer", metadata=one_of("from_target_last_layer", "random"))
+    loss: HeadLoss = field(default_factory=HeadLoss)
+
+
+@dataclass
+class LossConfig:
+    kl: float = field(default=1.0, metadata=at_least(0.0))
+    ce: float = field(default=0.0, metadata=at_least(0.0))
+    feature: float = field(default=0.0, metadata=at_least(0.0))
+    unroll_steps: int = field(default=1, metadata=at_least(1, max=16))
+    step_decay: float = field(default=0.8, metadata=at_least(0.0, max=1.0))
+    chunk_tokens: int = field(default=512, metadata=at_least(1))
+
+
+@dataclass
+class TrainerConfig:
+    zero_stage: int = field(default=2, metadata=one_of(1, 2, 3))
+    dtype: str = field(default="bfloat16", metadata=one_of("bfloat16", "float32"))
+    micro_batch_size: int = field(default=1, metadata=at_least(1))
+    seq_len: int = field(default=4096, metadata=at_least(1))
+    grad_accum: int = field(default=1, metadata=at_least(1))
+    lr: float = field(default=1e-4, metadata=at_least(0.0))
+    min_lr_ratio: float = field(default=0.1, metadata=at_least(0.0, max=1.0))
+    warmup_steps: int = field(default=0, metadata=at_least(0))
+    max_steps: int = field(default=1000, metadata=at_least(1))
+    weight_decay: float = field(default=0.0, metadata=at_least(0.0))
+    betas: list[float] = field(default_factory=lambda: [0.9, 0.95])
+    grad_clip: float = field(default=1.0, metadata=at_least(0.0))
+    eval_every: int = field(default=200, metadata=at_least(0))
+    save_every: int = field(default=500, metadata=at_least(0))
+    checkpoint_dir: str = MISSING
+    resume: bool = True
+    resume_ignore_mismatch: bool = False  # resume a checkpoint whose run.json differs from this run (named fields)
+    device: str = field(default="auto", metadata=one_of("auto", "cpu", "cuda"))
+    progress: bool = True
+    log_every: int = field(default=10, metadata=at_least(1))
+
+
+@dataclass
+class ValidateConfig:
+    enabled: bool = True
+    num_draft_tokens: int = field(default=4, metadata=at_least(1, max=16))
+    max_new_tokens: int = field(default=32, metadata=at_least(1))
+    temperatures: list[float] = field(default_factory=lambda: [0.0, 1.0])
+    batch_size: int = field(default=8, metadata=at_least(1))
+    repeats: int = field(default=1, metadata=at_least(1))
+    prompts: Optional[str] = None  # JSONL prompts; null: infer.prompts.DEFAULT_PROMPTS
+
+
+@dataclass
+class WandbConfig:
+    mode: str = field(default="disabled", metadata=one_of("disabled", "offline", "online"))
+    project: str = "mtp-heads"
+    name: Optional[str] = None
+
+
+@dataclass
+class TrainConfig:
+    model: ModelConfig = field(default_factory=ModelConfig)
+    head: HeadConfig = field(default_factory=HeadConfig)
+    trainer: TrainerConfig = field(default_factory=TrainerConfig)
+    data: DataConfig = field(default_factory=DataConfig)
+    features_dir: str = MISSING
+    output_dir: str = MISSING
+    eval_records: int = field(default=16, metadata=at_least(0))
+    seed: int = 0
+    loss: LossConfig = field(default_factory=LossConfig)
+    validate: ValidateConfig = field(default_factory=ValidateConfig)
+    wandb: WandbConfig = field(default_factory=WandbConfig)
+
+
+ConfigStore.instance().store(name="train_schema", node=TrainConfig)
+
+
+def compose_training(overrides: list[str], complete: bool = True) -> DictConfig:
+    """conf/config.yaml with overrides, typed and checked (ConfigError naming the key)."""
+    return compose("config", overrides, complete)

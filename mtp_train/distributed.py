@@ -1,0 +1,132 @@
+"""Everything DeepSpeed: the process group, the ZeRO-wrapped head, its checkpoints and parameter gathering.
+
+The trainer never imports deepspeed; it holds a `ZeroHead` and calls these methods. torchrun (or one plain
+process) gives the ranks; gloo on CPU, nccl on GPU.
+"""
+
+from __future__ import annotations
+
+import os
+import socket
+import sys
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
+from pathlib import Path
+
+import torch
+import torch.distributed as dist
+from omegaconf import DictConfig
+from torch import nn
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def init(device: str) -> tuple[int, int, torch.device]:
+    """(rank, world_size, this rank's device). A plain `python -m` run becomes a world of one."""
+    if "RANK" not in os.environ:  # not launched by torchrun: a single-process world
+        os.environ.update(RANK="0", LOCAL_RANK="0", WORLD_SIZE="1", MASTER_ADDR="127.0.0.1",
+                          MASTER_PORT=str(_free_port()))
+    use_cuda = device == "cuda" or (device == "auto" and torch.cuda.is_available())
+    if not use_cuda:
+        os.environ.setdefault("DS_ACCELERATOR", "cpu")
+    import deepspeed  # noqa: PLC0415 - after DS_ACCELERATOR is set
+
+    if not use_cuda:  # DeepSpeed's CPU shared-memory all-reduce JIT-compiles for a minute: gloo is enough here
+        sys.modules["deepspeed.comm.torch"].build_shm_op = lambda: None
+    deepspeed.init_distributed(dist_backend="nccl" if use_cuda else "gloo", auto_mpi_discovery=False)
+    rank, world = dist.get_rank(), dist.get_world_size()
+    if use_cuda:
+        local = int(os.environ.get("LOCAL_RANK", 0))
+        torch.cuda.set_device(local)
+        return rank, world, torch.device("cuda", local)
+    return rank, world, torch.device("cpu")
+
+
+def all_reduce_sum(tensor: torch.Tensor) -> torch.Tensor:
+    if dist.is_initialized() and dist.get_world_size() > 1:
+        dist.all_reduce(tensor)
+    return tensor
+
+
+def barrier() -> None:
+    if dist.is_initialized():
+        dist.barrier()
+
+
+def shutdown() -> None:
+    if dist.is_initialized():
+        dist.barrier()
+        dist.destroy_process_group()
+
+
+def deepspeed_config(trainer: DictConfig) -> dict:
+    """DeepSpeed's config from the `trainer` node (mtp_train.config.TrainerConfig)."""
+    return {
+        "train_micro_batch_size_per_gpu": 1,  # one packed micro batch per forward; its record count is ours
+        "gradient_accumulation_steps": trainer.grad_accum,
+        "gradient_clipping": trainer.grad_clip,
+        "zero_optimization": {"stage": trainer.zero_stage},
+        "bf16": {"enabled": trainer.dtype == "bfloat16"},
+        "optimizer": {"type": "AdamW", "params": {"lr": trainer.lr, "betas": list(trainer.betas), "eps": 1e-8,
+                                                  "weight_decay": trainer.weight_decay, "torch_adam": True}},
+        "steps_per_print": 2**31 - 1,
+        "wall_clock_breakdown": False,
+    }
+
+
+class ZeroHead:
+    """A module trained under DeepSpeed ZeRO: forward, backward and optimizer step, checkpoints, gathering."""
+
+    def __init__(self, module: nn.Module, param_groups: list[dict], config: dict,
+                 lr_factor: Callable[[int], float]) -> None:
+        import deepspeed  # noqa: PLC0415
+
+        self.module = module
+        self.zero_stage = config["zero_optimization"]["stage"]
+        self._engine, _, _, _ = deepspeed.initialize(
+            model=module, model_parameters=param_groups, config=config,
+            lr_scheduler=lambda opt: torch.optim.lr_scheduler.LambdaLR(opt, lr_factor),
+        )
+
+    def __call__(self, *args, **kwargs):
+        return self._engine(*args, **kwargs)
+
+    def train(self) -> None:
+        self._engine.train()
+
+    def eval(self) -> None:
+        self._engine.eval()
+
+    def backward_and_step(self, loss: torch.Tensor) -> None:
+        """DeepSpeed scales by 1 / grad_accum and steps the optimizer at each accumulation boundary."""
+        self._engine.backward(loss)
+        self._engine.step()
+
+    @property
+    def lr(self) -> float:
+        return self._engine.get_lr()[0]
+
+    @property
+    def grad_norm(self) -> float:
+        return float(self._engine.get_global_grad_norm() or 0.0)
+
+    @contextmanager
+    def gathered(self, params: list[nn.Parameter]) -> Iterator[None]:
+        """Full parameters on every rank for the block (collective under ZeRO-3; a no-op below it)."""
+        import deepspeed  # noqa: PLC0415
+
+        with deepspeed.zero.GatheredParameters(params, modifier_rank=None, enabled=self.zero_stage == 3):
+            yield
+
+    def save(self, checkpoint_dir: str | Path, tag: str, client_state: dict) -> None:
+        """Collective: every rank writes its shard of parameters and optimizer state."""
+        self._engine.save_checkpoint(str(checkpoint_dir), tag=tag, client_state=client_state)
+
+    def load(self, checkpoint_dir: str | Path) -> tuple[str | None, dict]:
+        """(path loaded, client state) of checkpoint_dir/latest; (None, {}) when it cannot be loaded."""
+        path, client_state = self._engine.load_checkpoint(str(checkpoint_dir))
+        return path, client_state or {}
