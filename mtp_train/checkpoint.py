@@ -9,12 +9,14 @@ features' identity, seed, batch layout (micro batch, sequence length, accumulati
 head and loss config. It is written (atomically) before DeepSpeed writes the tag, and `resume` reads and compares it
 before DeepSpeed unpickles anything: a folder received from someone else, or a run changed since, is refused with
 the field named, unless the override `trainer.resume_ignore_mismatch=true` says to continue anyway. DeepSpeed's
-shards are torch pickles; they are loaded only after that check (see the README on what remains).
+shards are torch pickles; they are loaded only after that check, and then with torch.load(weights_only=True)
+(mtp_train.distributed), so a planted file cannot run code.
 """
 
 from __future__ import annotations
 
 import json
+import pickle
 from pathlib import Path
 
 from mtp_train.distributed import ZeroHead
@@ -83,7 +85,11 @@ def resume(zero_head: ZeroHead, checkpoint_dir: str | Path, identity: dict, igno
     if differences and not ignore_mismatch:
         raise ResumeError(f"{run_file}: this run differs from the checkpoint's ({'; '.join(differences[:3])}); "
                           "set trainer.resume_ignore_mismatch=true to continue anyway, or use another output_dir")
-    path, client_state = zero_head.load(checkpoint_dir)
+    try:
+        path, client_state = zero_head.load(checkpoint_dir)
+    except (pickle.UnpicklingError, RuntimeError, OSError, EOFError) as err:
+        raise ResumeError(f"{run_file.parent}: DeepSpeed's checkpoint cannot be loaded safely: "
+                          f"{str(err).splitlines()[0] if str(err) else type(err).__name__}") from err
     if path is None or client_state.get("step") != step:
         raise ResumeError(f"{run_file}: the DeepSpeed checkpoint beside it cannot be loaded")
     return step

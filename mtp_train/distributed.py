@@ -78,6 +78,30 @@ def deepspeed_config(trainer: DictConfig) -> dict:
     }
 
 
+# The DeepSpeed classes its optimizer checkpoints pickle beside tensors (ZeRO 1-3, fp32 and bf16), allowed by name
+# so that checkpoints load with torch.load(weights_only=True): nothing else in them can run code.
+DEEPSPEED_SAFE_GLOBALS = ("deepspeed.runtime.fp16.loss_scaler.LossScaler",
+                          "deepspeed.runtime.zero.config.ZeroStageEnum",
+                          "deepspeed.utils.tensor_fragment.fragment_address")
+
+
+def _weights_only_checkpoint_engine(config):
+    import importlib  # noqa: PLC0415
+
+    from deepspeed.runtime.checkpoint_engine import TorchCheckpointEngine  # noqa: PLC0415
+
+    class WeightsOnlyCheckpointEngine(TorchCheckpointEngine):
+        """DeepSpeed's torch checkpoint engine, loading with weights_only=True."""
+
+        def load(self, path: str, map_location=None):
+            allowed = [getattr(importlib.import_module(m), a) for m, _, a in (g.rpartition(".") for g in
+                                                                              DEEPSPEED_SAFE_GLOBALS)]
+            with torch.serialization.safe_globals(allowed):
+                return torch.load(path, map_location=map_location, weights_only=True)
+
+    return WeightsOnlyCheckpointEngine(config)
+
+
 class ZeroHead:
     """A module trained under DeepSpeed ZeRO: forward, backward and optimizer step, checkpoints, gathering."""
 
@@ -91,6 +115,12 @@ class ZeroHead:
             model=module, model_parameters=param_groups, config=config,
             lr_scheduler=lambda opt: torch.optim.lr_scheduler.LambdaLR(opt, lr_factor),
         )
+        from deepspeed.runtime.checkpoint_engine import TorchCheckpointEngine  # noqa: PLC0415
+
+        if type(self._engine.checkpoint_engine) is not TorchCheckpointEngine:
+            raise RuntimeError(f"DeepSpeed chose {type(self._engine.checkpoint_engine).__name__}; this trainer loads "
+                               "checkpoints through its torch engine only (weights_only=True)")
+        self._engine.checkpoint_engine = _weights_only_checkpoint_engine(self._engine._config)
 
     def __call__(self, *args, **kwargs):
         return self._engine(*args, **kwargs)
@@ -127,6 +157,9 @@ class ZeroHead:
         self._engine.save_checkpoint(str(checkpoint_dir), tag=tag, client_state=client_state)
 
     def load(self, checkpoint_dir: str | Path) -> tuple[str | None, dict]:
-        """(path loaded, client state) of checkpoint_dir/latest; (None, {}) when it cannot be loaded."""
+        """(path loaded, client state) of checkpoint_dir/latest; (None, {}) when it cannot be loaded.
+
+        Every file is read with torch.load(weights_only=True): a pickle that would build anything but tensors,
+        containers and the DEEPSPEED_SAFE_GLOBALS raises pickle.UnpicklingError instead of running."""
         path, client_state = self._engine.load_checkpoint(str(checkpoint_dir))
         return path, client_state or {}

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import json
 import os
+import shutil
 import subprocess
 import sys
 from pathlib import Path
@@ -166,3 +167,63 @@ def test_zero3_bfloat16_run_exports_a_head_the_runtime_loads(tmp_path, features,
     assert head.config.architecture == "eagle1" and head.eh_proj.bias is not None
     assert json.loads((tmp_path / "head" / "config.json").read_text())["target"]["name"] == "stories260k"
     assert _train_steps(tmp_path)[2]["loss"] > 0
+
+
+def _copy_run(run: Path, to: Path) -> Path:
+    shutil.copytree(run, to, symlinks=True)
+    return to
+
+
+def test_resume_refuses_a_run_whose_data_order_differs_naming_the_field(tmp_path, one_process, features,
+                                                                       stories_hf_dir):
+    """The world size and the seed decide which records each step reads: a resume that changes them is refused
+    (exit 2, the field named) unless asked to continue; nothing of the run is lost either way."""
+    run = _copy_run(one_process, tmp_path / "run")
+    before = (run / "metrics.jsonl").read_text()
+    more = ["trainer.grad_accum=2", f"trainer.max_steps={STEPS + 2}"]
+    two = _train(run, features, stories_hf_dir, ["trainer.grad_accum=1", f"trainer.max_steps={STEPS + 2}"], nproc=2,
+                 check=False)
+    assert two.returncode != 0 and "world_size: checkpoint 1, this run 2" in two.stderr, two.stderr[-2000:]
+    seeded = _train(run, features, stories_hf_dir, [*more, "seed=1"], check=False)
+    assert seeded.returncode == 2 and "seed: checkpoint 0, this run 1" in seeded.stderr
+    assert seeded.stderr.strip().splitlines()[-1].startswith("error: ") and "Traceback" not in seeded.stderr
+    assert (run / "metrics.jsonl").read_text() == before  # refused before anything was written
+    _train(run, features, stories_hf_dir, [*more, "seed=1", "trainer.resume_ignore_mismatch=true"])
+    assert sorted(_train_steps(run)) == list(range(1, STEPS + 3))
+
+
+class _RunsCode:
+    """A pickle that runs a shell command when it is loaded without weights_only."""
+
+    def __init__(self, marker: Path) -> None:
+        self.marker = marker
+
+    def __reduce__(self):
+        return os.system, (f"touch {self.marker}",)
+
+
+def test_a_planted_checkpoint_never_runs_code(tmp_path, one_process, features, stories_hf_dir):
+    marker = tmp_path / "code-ran"
+    evil = tmp_path / "evil.pt"
+    torch.save({"module": _RunsCode(marker)}, evil)
+    torch.load(evil, weights_only=False)  # the control: this file does run code when unpickled
+    assert marker.exists()
+    marker.unlink()
+
+    # An output folder from someone else: DeepSpeed files, no run.json. Refused before any file is opened.
+    planted = tmp_path / "planted"
+    (planted / "checkpoints" / "step_2").mkdir(parents=True)
+    (planted / "checkpoints" / "latest").write_text("step_2")
+    for name in ("mp_rank_00_model_states.pt", "zero_pp_rank_0_mp_rank_00_optim_states.pt"):
+        shutil.copy(evil, planted / "checkpoints" / "step_2" / name)
+    result = _train(planted, features, stories_hf_dir, ["trainer.grad_accum=2"], check=False)
+    assert result.returncode == 2 and "run.json is missing" in result.stderr, result.stderr[-2000:]
+
+    # A forged identity (copied from a real run) beside a planted shard: weights_only=True refuses the pickle.
+    forged = _copy_run(one_process, tmp_path / "forged")
+    shutil.copy(evil, forged / "checkpoints" / f"step_{STEPS}" / "mp_rank_00_model_states.pt")
+    result = _train(forged, features, stories_hf_dir, ["trainer.grad_accum=2", f"trainer.max_steps={STEPS + 1}"],
+                    check=False)
+    assert result.returncode == 2 and "cannot be loaded safely" in result.stderr, result.stderr[-2000:]
+    assert result.stderr.strip().splitlines()[-1].startswith("error: ") and "Traceback" not in result.stderr
+    assert not marker.exists()
