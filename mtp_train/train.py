@@ -6,7 +6,7 @@
     launch/train.sh ...                                           # torchrun for one node or many (see launch/)
 
 Outputs in output_dir: checkpoints/ (DeepSpeed, resumable), head/ (infer's head folder), metrics.jsonl,
-summary.json.
+summary.json; run.lock while the run lasts (mtp_train.run_lock: one run per folder).
 """
 
 from __future__ import annotations
@@ -17,22 +17,32 @@ from pathlib import Path
 import hydra
 from omegaconf import DictConfig
 
+from mtp_train import launch, run_lock
+
 CONF_DIR = str(Path(__file__).resolve().parents[1] / "conf")
 
 
 @hydra.main(config_path=CONF_DIR, config_name="config", version_base=None)
 def main(cfg: DictConfig) -> None:
+    try:
+        with run_lock.hold(Path(str(cfg.output_dir))):  # before torch's start-up: a refused run ends at once
+            train(cfg)
+    except run_lock.RunLockError as err:
+        launch.exit_on_user_error(err)
+
+
+def train(cfg: DictConfig) -> None:
     from mtp_train import dist  # noqa: PLC0415 - keep `--cfg job` free of torch/DeepSpeed start-up
     from mtp_train.trainer import USER_ERRORS, Trainer  # noqa: PLC0415
 
     try:
         Trainer(cfg).fit()
     except USER_ERRORS as err:  # a config or data mistake: one line, no traceback
-        print(f"error: {err}", file=sys.stderr)
-        raise SystemExit(2) from err
+        launch.exit_on_user_error(err)
     finally:
         dist.shutdown()
 
 
 if __name__ == "__main__":
+    launch.bind_to_launcher()
     sys.exit(main())
