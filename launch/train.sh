@@ -1,5 +1,11 @@
 #!/usr/bin/env bash
 # Head training under torchrun, one node or many; every argument is a Hydra override for mtp_train.train.
+# It runs torchrun's agent through mtp_train.launch, in this script's own process (exec), which guarantees:
+#   - a user's mistake (features of another hidden size, a missing folder, output_dir in use by another run) is
+#     one line, printed once for all of this node's ranks, exit code 2, without torchrun's traceback box;
+#   - SIGTERM, SIGINT and SIGHUP to this script are forwarded to the workers (exit 128 + the signal), and no
+#     worker outlives the launcher, even when it or its whole process group is SIGKILLed;
+#   - one run per output_dir: rank 0 holds output_dir/run.lock (a stale one, left by a killed run, is taken over).
 #
 #   launch/train.sh model=llama3_1_8b model.path=/models/Llama-3.1-8B-Instruct features_dir=/data/feat-8b
 #   NPROC_PER_NODE=2 launch/train.sh features_dir=DIR trainer.dtype=float32      # CPU: gloo, 2 processes
@@ -9,7 +15,7 @@
 #
 # Environment: NNODES (default: SLURM_NNODES or 1), NODE_RANK (SLURM_NODEID or 0), NPROC_PER_NODE (GPUs seen,
 # or 1 without GPUs), MASTER_ADDR, MASTER_PORT (29500), RDZV (static | c10d), RDZV_ID (mtp-train),
-# TORCHRUN (the launcher command; default torchrun, e.g. "python -m torch.distributed.run").
+# PYTHON (the interpreter; default python).
 set -euo pipefail
 cd "$(dirname "$0")/.."
 
@@ -34,5 +40,4 @@ else
 fi
 
 set -x
-read -r -a torchrun <<< "${TORCHRUN:-torchrun}"
-exec "${torchrun[@]}" "${dist_args[@]}" -m mtp_train.train "$@"
+exec "${PYTHON:-python}" -m mtp_train.launch "${dist_args[@]}" -m mtp_train.train "$@"

@@ -6,35 +6,46 @@
     launch/train.sh ...                                           # torchrun for one node or many (see launch/)
 
 Outputs in output_dir: checkpoints/ (DeepSpeed, resumable), head/ (infer's head folder), metrics.jsonl,
-summary.json.
+summary.json; run.lock while the run lasts (mtp_train.run_lock: one run per folder).
 """
 
 from __future__ import annotations
 
 import sys
+from pathlib import Path
 
 import hydra
 from omegaconf import DictConfig
 
 from data_tools.config import CONF_DIR
+from mtp_train import launch, run_lock
 from mtp_train.config import TrainConfig  # noqa: F401 - registers the schema conf/config.yaml names
 
 
 @hydra.main(config_path=str(CONF_DIR), config_name="config", version_base=None)
 def main(cfg: DictConfig) -> None:
-    from data_tools.config import check  # noqa: PLC0415 - keep `--cfg job` free of torch/DeepSpeed start-up
+    from data_tools.config import ConfigError, check  # noqa: PLC0415 - keep `--cfg job` free of torch start-up
+
+    try:
+        check(cfg)
+        with run_lock.hold(Path(cfg.output_dir)):  # before torch's start-up: a refused run ends at once
+            train(cfg)
+    except (ConfigError, run_lock.RunLockError) as err:
+        launch.exit_on_user_error(err)
+
+
+def train(cfg: DictConfig) -> None:
     from mtp_train import distributed  # noqa: PLC0415
     from mtp_train.trainer import USER_ERRORS, Trainer  # noqa: PLC0415
 
     try:
-        check(cfg)
         Trainer(cfg).fit()
     except USER_ERRORS as err:  # a config or data mistake: one line, no traceback
-        print(f"error: {' '.join(str(err).split())}", file=sys.stderr)
-        raise SystemExit(2) from err
+        launch.exit_on_user_error(err)
     finally:
         distributed.shutdown()
 
 
 if __name__ == "__main__":
+    launch.bind_to_launcher()
     sys.exit(main())

@@ -31,17 +31,23 @@ def _env(**extra) -> dict:
     return env
 
 
-def _train(out: Path, features: Path, model: Path, extra=(), nproc: int = 1, env=None, check=True,
-           kill_after_step: int | None = None):
+def _command(out: Path, features: Path, model: Path, extra=(), nproc: int = 1, env=None,
+             kill_after_step: int | None = None) -> tuple[list[str], dict]:
+    """A training run's command line and environment: one process, or `nproc` through launch/train.sh."""
     env = env or _env()
     if nproc > 1:  # through the launcher script, as a user runs it
         launcher = ["bash", str(ROOT / "launch" / "train.sh")]
-        env.update(NPROC_PER_NODE=str(nproc), TORCHRUN=f"{sys.executable} -m torch.distributed.run")
+        env.update(NPROC_PER_NODE=str(nproc), PYTHON=sys.executable)
     elif kill_after_step is not None:  # the trainer, SIGKILLed after that step (tests/kill_after_step.py)
         launcher = [sys.executable, "-m", "tests.kill_after_step", str(kill_after_step)]
     else:
         launcher = [sys.executable, "-m", "mtp_train.train"]
-    cmd = launcher + [f"features_dir={features}", f"output_dir={out}", f"model.path={model}", *COMMON, *extra]
+    return launcher + [f"features_dir={features}", f"output_dir={out}", f"model.path={model}", *COMMON, *extra], env
+
+
+def _train(out: Path, features: Path, model: Path, extra=(), nproc: int = 1, env=None, check=True,
+           kill_after_step: int | None = None):
+    cmd, env = _command(out, features, model, extra, nproc, env, kill_after_step)
     result = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=240)
     if check:
         assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
