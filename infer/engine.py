@@ -11,6 +11,7 @@ a plain forward; the engine owns everything that round changes: tokens, stops, p
 
 from __future__ import annotations
 
+import itertools
 import time
 from collections import deque
 from collections.abc import Iterable, Sequence
@@ -26,7 +27,10 @@ from infer.model_runner import ModelRunner
 from infer.models.mtp_head import load_head
 from infer.sampler import SamplingTensors, make_generator, sample
 from infer.sampling_params import SamplingParams
-from infer.speculative import Drafter, DraftModel, MTPDrafter, SpecStats, speculative_decode
+from infer.models.common import ModelOutput
+from infer.speculative import (
+    CATCH_UP_SCHEDULES, Drafter, DraftModel, MTPDrafter, SpecOutput, SpecStats, speculative_decode,
+)
 
 
 @dataclass
@@ -66,6 +70,39 @@ class Request:
 
 
 @dataclass
+class _PlainRows:
+    """A step's rows that do not speculate (prefill chunks, plain decodes), packed; advances their num_computed."""
+
+    scheduled: list[tuple[Request, int]]
+    input_ids: list[int] = field(default_factory=list)
+    q_lens: list[int] = field(default_factory=list)
+    kv_lens: list[int] = field(default_factory=list)
+    page_lists: list[list[int]] = field(default_factory=list)
+    sampling: list[tuple[Request, int]] = field(default_factory=list)  # (request, its last row), when it samples
+    num_decodes: int = 0  # decode steps among them (requests that have generated before)
+
+    def __post_init__(self) -> None:
+        for request, q_len in self.scheduled:
+            self.num_decodes += q_len == 1 and request.num_tokens - request.num_computed == 1 and bool(request.output_ids)
+            self.input_ids.extend(request.token_ids[request.num_computed : request.num_computed + q_len])
+            self.q_lens.append(q_len)
+            self.kv_lens.append(request.num_computed + q_len)
+            self.page_lists.append(request.page_table.pages)
+            request.num_computed += q_len
+            if request.num_computed == request.num_tokens:
+                self.sampling.append((request, len(self.input_ids) - 1))
+        self.first_rows = [0, *itertools.accumulate(self.q_lens)]
+
+    @property
+    def num_tokens(self) -> int:
+        return len(self.input_ids)
+
+    @property
+    def sample_rows(self) -> list[int]:
+        return [row for _, row in self.sampling]
+
+
+@dataclass
 class EngineConfig:
     page_size: int = 16
     num_pages: int | None = None  # None: enough for max_num_seqs full-context sequences, within kv_cache_bytes
@@ -74,6 +111,7 @@ class EngineConfig:
     max_num_batched_tokens: int = 2048
     backend: str = "auto"
     num_draft_tokens: int = 4  # K, when a drafter is attached
+    draft_catch_up: str = "accepted"  # MTP heads: "accepted" or "verified" (the seed's schedule, infer.speculative)
 
 
 @dataclass
@@ -134,6 +172,11 @@ class Engine:
                 f"the drafter's vocabulary ({model.config.vocab_size}) differs from the target's "
                 f"({self.model.config.vocab_size}): it must share the target's tokenizer"
             )
+        if self.config.draft_catch_up not in CATCH_UP_SCHEDULES:
+            raise ValueError(f"draft_catch_up must be one of {', '.join(CATCH_UP_SCHEDULES)}, "
+                             f"got {self.config.draft_catch_up!r}")
+        if self.config.draft_catch_up == "verified" and kind != "mtp":
+            raise ValueError("draft_catch_up='verified' is the MTP head's schedule; a draft LM catches up 'accepted'")
         drafter_cls = {"draft": DraftModel, "mtp": MTPDrafter}[kind]
         self.drafter = drafter_cls(model, self.pool.num_pages, self.config.page_size, self.config.backend)
         self.reset_spec_stats()
@@ -250,74 +293,100 @@ class Engine:
 
     # --- one step ---------------------------------------------------------------------------------
     def step(self) -> list[Request]:
-        """Run one batch; returns the requests that finished in it."""
+        """Run one batch; returns the requests that finished in it.
+
+        With a drafter attached, the decodes that can speculate verify K drafts in the same forward as the others'
+        prefill chunks and plain decodes (verify rows packed after them); the drafter then catches up on all.
+        """
         scheduled = self._schedule()
         if not scheduled:
             if self.waiting:
                 raise RuntimeError("no request fits in the KV cache; raise num_pages or lower max_num_seqs")
             return []
         self.num_steps += 1
-        if self._can_speculate(scheduled):
-            return self._finish_step(self._speculative_step([r for r, _ in scheduled]))
-        input_ids: list[int] = []
-        q_lens, kv_lens, page_lists, sampling = [], [], [], []
-        for request, q_len in scheduled:
-            input_ids.extend(request.token_ids[request.num_computed : request.num_computed + q_len])
-            q_lens.append(q_len)
-            kv_lens.append(request.num_computed + q_len)
-            page_lists.append(request.page_table.pages)
-            request.num_computed += q_len
-            if request.num_computed == request.num_tokens:
-                sampling.append((request, len(input_ids) - 1))
-        meta = build_page_metadata(page_lists, q_lens, kv_lens, self.config.page_size, self.device)
-        ids = torch.tensor(input_ids, dtype=torch.long, device=self.device)
-        logits_indices = torch.tensor([row for _, row in sampling], dtype=torch.long, device=self.device)
-        out = self.runner.run(ids, meta, logits_indices)
+        speculating = self._speculating(scheduled)
+        chosen = {r.request_id for r in speculating}
+        rows = _PlainRows([(r, q) for r, q in scheduled if r.request_id not in chosen])
+        if self.spec_stats is not None:
+            self.spec_stats.plain_decodes += rows.num_decodes
+
+        spec_out, forwarded = None, {}
+        if speculating:
+            def target_forward(verify_ids: torch.Tensor) -> ModelOutput:  # [B_spec, K+1] -> the verify rows
+                out = forwarded["out"] = self._target_forward(rows, speculating, verify_ids)
+                return ModelOutput(out.logits[len(rows.sample_rows):], out.hidden_states[rows.num_tokens:])
+
+            sampling = SamplingTensors.from_params([r.params for r in speculating], self.device)
+            spec_out = speculative_decode(target_forward, self.drafter, speculating, self.num_draft_tokens, sampling,
+                                          [r.generator for r in speculating], self.config.draft_catch_up)
+        else:
+            forwarded["out"] = self._target_forward(rows, [], None)
+        out = forwarded["out"]
+
         finished = []
-        if sampling:
-            requests = [r for r, _ in sampling]
+        if rows.sample_rows:
+            requests = [r for r, _ in rows.sampling]
             tensors = SamplingTensors.from_params([r.params for r in requests], self.device)
-            new_tokens = sample(out.logits, tensors, [r.generator for r in requests]).tolist()
+            new_tokens = sample(out.logits[: len(rows.sample_rows)], tensors, [r.generator for r in requests]).tolist()
             finished = [r for r, token in zip(requests, new_tokens) if self._append_token(r, token)]
+        spec_hidden = self._settle_speculation(speculating, spec_out, finished) if speculating else {}
         if self.drafter is not None:  # keep the drafter in lockstep: it reads what the target just settled
-            first_rows = [0, *torch.tensor(q_lens).cumsum(0).tolist()]
-            live = [(i, r) for i, (r, _) in enumerate(scheduled) if not r.finished and self._reserve_catch_up(r)]
-            hidden = {r.request_id: (kv_lens[i] - q_lens[i], out.hidden_states[first_rows[i] : first_rows[i + 1]])
-                      for i, r in live}
-            self.drafter.catch_up([r for _, r in live], hidden)
+            start = time.perf_counter()
+            live = [(i, r) for i, (r, _) in enumerate(rows.scheduled) if not r.finished and self._reserve_catch_up(r)]
+            hidden = {r.request_id: (rows.kv_lens[i] - rows.q_lens[i],
+                                     out.hidden_states[rows.first_rows[i] : rows.first_rows[i + 1]]) for i, r in live}
+            hidden.update(spec_hidden)
+            self.drafter.catch_up([r for _, r in live] + [r for r in speculating if r.request_id in spec_hidden], hidden)
+            for request in speculating:  # both caches keep their settled prefixes only
+                if not request.finished:
+                    request.page_table.truncate(max(request.num_computed, self.drafter.num_cached(request.request_id)))
+            if speculating:
+                self._record_spec_time(speculating, spec_out, time.perf_counter() - start)
         return self._finish_step(finished)
 
-    def _speculative_step(self, requests: list[Request]) -> list[Request]:
-        """One draft-verify-accept round, then the bookkeeping: tokens, stops, rollback, catch-up, statistics."""
-        k, drafter = self.num_draft_tokens, self.drafter
-        sampling = SamplingTensors.from_params([r.params for r in requests], self.device)
-        out = speculative_decode(self.runner, drafter, requests, k, sampling, [r.generator for r in requests],
-                                 self.config.page_size)
-        finished, survivors, target_hidden = [], [], {}
+    def _target_forward(self, rows: "_PlainRows", speculating: list[Request],
+                        verify_ids: torch.Tensor | None) -> ModelOutput:
+        """One packed target forward: the plain rows, then K+1 verify rows per speculating request.
+
+        Logits come back for the plain rows that sample, then for every verify row; hidden states for all rows.
+        """
+        k = self.num_draft_tokens
+        page_lists = rows.page_lists + [r.page_table.pages for r in speculating]
+        q_lens = rows.q_lens + [k + 1] * len(speculating)
+        kv_lens = rows.kv_lens + [r.num_computed + k + 1 for r in speculating]
+        meta = build_page_metadata(page_lists, q_lens, kv_lens, self.config.page_size, self.device)
+        ids = torch.tensor(rows.input_ids, dtype=torch.long, device=self.device)
+        logits_rows = torch.tensor(rows.sample_rows, dtype=torch.long, device=self.device)
+        if speculating:
+            ids = torch.cat((ids, verify_ids.flatten().to(self.device)))
+            verify_rows = torch.arange(rows.num_tokens, ids.shape[0], device=self.device)
+            logits_rows = torch.cat((logits_rows, verify_rows))
+        return self.runner.run(ids, meta, logits_rows)
+
+    def _settle_speculation(self, requests: list[Request], out: SpecOutput,
+                            finished: list[Request]) -> dict[int, tuple[int, torch.Tensor]]:
+        """Append each request's emitted tokens and record acceptance; returns the catch-up input of the survivors
+        that the drafter has not caught up on already: request_id -> (first position, [K+1, H] hidden states)."""
+        target_hidden = {}
         for request, tokens, hidden in zip(requests, out.emitted, out.hidden_states):
             request.spec_stats.record(len(tokens) - 1)
             self.spec_stats.record(len(tokens) - 1)
             first = request.num_computed
             if any(self._append_token(request, token, settle=True) for token in tokens):
                 finished.append(request)
-                continue
-            drafter.rollback(request.request_id, request.num_computed)  # rejected drafts past the prefix
-            survivors.append(request)
-            target_hidden[request.request_id] = (first, hidden)
+            elif not out.caught_up:
+                self.drafter.rollback(request.request_id, request.num_computed)  # rejected drafts past the prefix
+                target_hidden[request.request_id] = (first, hidden)
+        return target_hidden
 
-        start = time.perf_counter()
-        drafter.catch_up(survivors, target_hidden)
-        for request in survivors:  # both caches keep their settled prefixes only
-            request.page_table.truncate(max(request.num_computed, drafter.num_cached(request.request_id)))
-        draft_time = out.draft_time_s + time.perf_counter() - start
-
+    def _record_spec_time(self, requests: list[Request], out: SpecOutput, catch_up_s: float) -> None:
+        draft_time = out.draft_time_s + catch_up_s
         share = 1.0 / len(requests)
         for request in requests:
             request.spec_stats.draft_time_s += draft_time * share
             request.spec_stats.verify_time_s += out.verify_time_s * share
         self.spec_stats.draft_time_s += draft_time
         self.spec_stats.verify_time_s += out.verify_time_s
-        return finished
 
     def _reserve_catch_up(self, request: Request) -> bool:
         """Pages for the drafter's catch-up; without them it catches up in a later step (no speculation till then)."""
@@ -327,26 +396,25 @@ class Engine:
             return False
         return True
 
-    def _can_speculate(self, scheduled: list[tuple[Request, int]]) -> bool:
-        """Speculate on decode-only batches whose requests have room for K more tokens in context and pages."""
+    def _speculating(self, scheduled: list[tuple[Request, int]]) -> list[Request]:
+        """The decodes that verify K drafts this step: the drafter is in lockstep with them, and the step's token
+        budget, the context and the page pool have room for K more tokens each (their pages are reserved here)."""
         if self.drafter is None:
-            return False
+            return []
         k = self.num_draft_tokens
-        if len(scheduled) * (k + 1) > self.config.max_num_batched_tokens:  # the verify forward's size
-            return False
-        if any(
-            r.num_tokens - r.num_computed != 1  # not a plain decode (a prefill chunk)
-            or not self.drafter.ready(r)  # the drafter has not seen it yet, or lags (it ran out of pages)
-            or r.num_tokens + k >= self.max_model_len
-            for r, _ in scheduled
-        ):
-            return False
-        needed = sum(r.page_table.pages_to_grow(r.num_tokens + k + 1) for r, _ in scheduled)
-        if needed > self.pool.num_free:
-            return False
-        for request, _ in scheduled:  # verify writes K+1 positions; a draft LM then reads one more
+        budget = self.config.max_num_batched_tokens - sum(q_len for _, q_len in scheduled)
+        chosen = []
+        for request, q_len in scheduled:
+            if (budget < k or q_len != 1 or request.num_tokens - request.num_computed != 1
+                    or request.num_tokens + k >= self.max_model_len or not self.drafter.ready(request)):
+                continue
+            # verify writes K+1 positions; a draft LM then reads one more
+            if request.page_table.pages_to_grow(request.num_tokens + k + 1) > self.pool.num_free:
+                continue
             request.page_table.extend(request.num_tokens + k + 1)
-        return True
+            budget -= k
+            chosen.append(request)
+        return chosen
 
     def _finish_step(self, finished: list[Request]) -> list[Request]:
         if finished:

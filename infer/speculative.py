@@ -15,21 +15,30 @@ position eats:
   - `MTPDrafter` (an MTP head): position i reads (t_{i+1}, h_i), h_i the target's hidden state, so it catches up
     over exactly the positions the target computed; its own h' feeds its later drafts.
 
-`speculative_decode` is gpt-fast's `speculative_decode`, batched: a function of the target's runner, the drafter
-and a decode batch that returns the emitted tokens. It never changes a request; the engine appends the tokens,
-stops requests, shrinks page tables, records statistics and calls `Drafter.catch_up`.
+`speculative_decode` is gpt-fast's `speculative_decode`, batched: a function of the target's forward, the drafter
+and the decode requests that speculate this step, returning the emitted tokens. The target forward is the engine's:
+it packs the verify rows beside other requests' prefill chunks and plain decodes, so one forward serves a mixed
+batch. It never changes a request; the engine appends the tokens, stops requests, shrinks page tables, records
+statistics and calls `Drafter.catch_up`. Draft ids stay on the device from the first draft to the verification;
+the host reads once per step, the emitted tokens.
+
+Two catch-up schedules for an MTP head: "accepted" (the default) runs the head over the accepted span once the
+engine has appended the tokens; "verified" (the seed's) runs it over all K+1 verified positions right after
+verification, reading the target's own token at each (the accepted draft, then the correction), before the host
+reads the accepted lengths; positions past the accepted prefix are redundant work, rewritten later.
 """
 
 from __future__ import annotations
 
 import time
 from dataclasses import dataclass, field
+from collections.abc import Callable
 from typing import Protocol
 
 import torch
 from torch import Tensor
 
-from infer.kv_cache import PageTable, build_page_metadata
+from infer.kv_cache import DecodeSteps, PageMetadata, PageTable, build_page_metadata
 from infer.model_runner import ModelRunner
 from infer.models.common import ModelOutput
 from infer.rejection_sampler import greedy_verify, rejection_sample
@@ -51,6 +60,7 @@ class SpecStats:
 
     num_draft_tokens: int
     verify_steps: int = 0  # target forwards that verified drafts
+    plain_decodes: int = 0  # decode steps that did not speculate (no room, or the drafter lagging)
     emitted: int = 0  # tokens those forwards produced (accepted drafts + one from the target each)
     accepted_per_position: list[int] = field(default_factory=list)  # drafts accepted at position j
     accepted_length_histogram: list[int] = field(default_factory=list)  # steps that accepted exactly n drafts
@@ -79,6 +89,7 @@ class SpecStats:
         return {
             "num_draft_tokens": self.num_draft_tokens,
             "verify_steps": self.verify_steps,
+            "speculated_share": round(self.verify_steps / max(self.verify_steps + self.plain_decodes, 1), 4),
             "tau": round(self.tau, 4),
             "acceptance_per_position": [round(a / steps, 4) for a in self.accepted_per_position],
             "accepted_length_histogram": list(self.accepted_length_histogram),
@@ -167,11 +178,13 @@ class Drafter:
     def propose(
         self, seqs: list[Sequence], k: int, sampling: SamplingTensors, generators: list[torch.Generator]
     ) -> tuple[Tensor, Tensor | None]:
-        """Draft k tokens per request: ([B, k] ids, [B, k, V] draft probabilities, or None when all greedy)."""
+        """Draft k tokens per request: ([B, k] ids on the device, [B, k, V] draft probabilities or None if greedy)."""
         states = [self._states[s.request_id] for s in seqs]
         logits = torch.stack([s.logits for s in states])  # [B, V]
         hidden = torch.stack([s.hidden for s in states]) if self.needs_hidden_states else None  # [B, H]
-        page_lists = [s.page_table.pages for s in seqs]
+        # Draft forward j writes position computed + j of every request: one metadata build serves the k-1 forwards.
+        steps = DecodeSteps([s.page_table.pages for s in seqs], [s.computed for s in states], k - 1, self.page_size,
+                            self.device) if k > 1 else None
         tokens, probs = [], []
         for j in range(k):
             if not sampling.all_greedy:
@@ -179,10 +192,9 @@ class Drafter:
             tokens.append(sample(logits, sampling, generators))
             if j == k - 1:
                 break
-            # Position computed + j reads the draft just made (and, for MTP, the head's own last hidden state);
-            # these cache rows past the settled prefix are rewritten by the next catch-up.
-            out = self._forward(tokens[-1].tolist(), page_lists, [1] * len(seqs),
-                                [s.computed + j + 1 for s in states], hidden)
+            # It reads the draft just made (and, for MTP, the head's own last hidden state); these cache rows past
+            # the settled prefix are rewritten by the next catch-up.
+            out = self._run(tokens[-1], steps.step(j), None, hidden)
             logits, hidden = out.logits, (out.hidden_states if self.needs_hidden_states else None)
         return torch.stack(tokens, dim=1), (torch.stack(probs, dim=1) if probs else None)
 
@@ -191,9 +203,12 @@ class Drafter:
         hidden: Tensor | None, logits_indices: Tensor | None = None,
     ) -> ModelOutput:
         meta = build_page_metadata(page_lists, q_lens, kv_lens, self.page_size, self.device)
-        ids = torch.tensor(input_ids, dtype=torch.long, device=self.device)
+        return self._run(torch.tensor(input_ids, dtype=torch.long, device=self.device), meta, logits_indices, hidden)
+
+    def _run(self, input_ids: Tensor, meta: PageMetadata, logits_indices: Tensor | None,
+             hidden: Tensor | None) -> ModelOutput:
         extra = {"hidden_states": hidden} if self.needs_hidden_states else {}
-        return self.runner.run(ids, meta, logits_indices, **extra)
+        return self.runner.run(input_ids, meta, logits_indices, **extra)
 
 
 class DraftModel(Drafter):
@@ -206,20 +221,55 @@ class MTPDrafter(Drafter):
     token_shift = 1
     needs_hidden_states = True
 
+    def catch_up_verified(self, seqs: list[Sequence], verify_ids: Tensor, emitted: Tensor, num_emitted: Tensor,
+                          target_hidden: Tensor) -> None:
+        """The "verified" schedule: run over all K+1 verified positions before the host knows how many were
+        accepted. Position num_computed + i reads the target's own token there (emitted[:, i]: the accepted draft,
+        or the correction; past those, any token: redundant rows) and the target's hidden state; the carry is
+        gathered on the device at the last emitted token's position.
+
+        verify_ids, emitted [B, K+1]; num_emitted [B]; target_hidden [B, K+1, H].
+        """
+        batch, width = verify_ids.shape  # width = K+1
+        first = [s.num_computed for s in seqs]
+        own_tokens = torch.where(emitted >= 0, emitted, verify_ids)  # [B, K+1]: past the emitted ones, any token
+        last_rows = torch.arange(batch, device=self.device) * width + num_emitted - 1  # [B] the carry's rows
+        out = self._forward_verified(own_tokens.flatten(), [s.page_table.pages for s in seqs], first, width,
+                                     target_hidden.flatten(0, 1), last_rows)
+        carried_hidden = out.hidden_states[last_rows]  # [B, H]
+        counts = num_emitted.tolist()  # the step's host read, after the head's forward was launched
+        for i, seq in enumerate(seqs):
+            self._states[seq.request_id] = DraftState(first[i] + counts[i], out.logits[i], carried_hidden[i])
+
+    def _forward_verified(self, input_ids: Tensor, page_lists: list[list[int]], first: list[int], width: int,
+                          hidden: Tensor, logits_indices: Tensor) -> ModelOutput:
+        meta = build_page_metadata(page_lists, [width] * len(first), [f + width for f in first], self.page_size,
+                                   self.device)  # the verify forward's positions
+        return self._run(input_ids, meta, logits_indices, hidden)
+
+
+CATCH_UP_SCHEDULES = ("accepted", "verified")
+
 
 @dataclass
 class SpecOutput:
     emitted: list[list[int]]  # per request: the accepted drafts, then the target's token (1..K+1 tokens)
-    hidden_states: Tensor  # [B, K+1, H] the verify forward's hidden states, for the drafter's catch-up
+    hidden_states: Tensor  # [B, K+1, H] the verify rows' hidden states, for the drafter's catch-up
     draft_time_s: float
     verify_time_s: float
+    caught_up: bool  # the drafter already holds the emitted positions (the "verified" schedule)
+
+
+# The target forward over the verify rows: [B, K+1] token ids -> logits [B*(K+1), V] and hidden [B*(K+1), H].
+TargetForward = Callable[[Tensor], ModelOutput]
 
 
 def speculative_decode(
-    target: ModelRunner, drafter: Drafter, seqs: list[Sequence], k: int, sampling: SamplingTensors,
-    generators: list[torch.Generator], page_size: int,
+    target_forward: TargetForward, drafter: Drafter, seqs: list[Sequence], k: int, sampling: SamplingTensors,
+    generators: list[torch.Generator], catch_up: str = "accepted",
 ) -> SpecOutput:
-    """One draft-verify-accept round for a decode batch whose page tables already hold K+1 more positions."""
+    # catch_up "verified" needs an MTPDrafter (the engine checks when the drafter is attached)
+    """One draft-verify-accept round for decode requests whose page tables already hold K+1 more positions."""
     batch = len(seqs)
     start = time.perf_counter()
     draft_ids, draft_probs = drafter.propose(seqs, k, sampling, generators)  # [B, K], [B, K, V] | None
@@ -227,12 +277,11 @@ def speculative_decode(
 
     # Verify: the pending token and the K drafts, at positions num_computed .. num_computed + K.
     start = time.perf_counter()
-    pending = torch.tensor([s.token_ids[-1] for s in seqs])[:, None]  # [B, 1]
-    verify_ids = torch.cat((pending, draft_ids.cpu()), dim=1)  # [B, K+1]
-    meta = build_page_metadata([s.page_table.pages for s in seqs], [k + 1] * batch,
-                               [s.num_computed + k + 1 for s in seqs], page_size, target.device)
-    out = target.run(verify_ids.flatten().to(target.device), meta)
+    pending = torch.tensor([s.token_ids[-1] for s in seqs], device=draft_ids.device)[:, None]  # [B, 1]
+    verify_ids = torch.cat((pending, draft_ids), dim=1)  # [B, K+1]
+    out = target_forward(verify_ids)
     target_logits = out.logits.view(batch, k + 1, -1)  # [B, K+1, V]
+    hidden = out.hidden_states.view(batch, k + 1, -1)  # [B, K+1, H]
     if draft_probs is None:
         emitted, num_emitted = greedy_verify(draft_ids, target_logits.argmax(-1))
     else:
@@ -240,5 +289,10 @@ def speculative_decode(
         p = target_probs(target_logits.flatten(0, 1), repeat(sampling.temperature), repeat(sampling.top_k),
                          repeat(sampling.top_p)).view(batch, k + 1, -1)  # [B, K+1, V]
         emitted, num_emitted = rejection_sample(draft_ids, draft_probs, p, generators)
+    verify_time = time.perf_counter() - start
+    if catch_up == "verified":
+        start = time.perf_counter()
+        drafter.catch_up_verified(seqs, verify_ids, emitted, num_emitted, hidden)
+        draft_time += time.perf_counter() - start
     rows = [row[:n] for row, n in zip(emitted.tolist(), num_emitted.tolist())]
-    return SpecOutput(rows, out.hidden_states.view(batch, k + 1, -1), draft_time, time.perf_counter() - start)
+    return SpecOutput(rows, hidden, draft_time, verify_time, caught_up=catch_up == "verified")

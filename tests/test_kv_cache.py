@@ -7,7 +7,7 @@ import random
 import pytest
 import torch
 
-from infer.kv_cache import OutOfPages, PagePool, PageTable, build_page_metadata, pages_needed
+from infer.kv_cache import DecodeSteps, OutOfPages, PagePool, PageTable, build_page_metadata, pages_needed
 
 pytestmark = pytest.mark.usefixtures("one_torch_thread")
 
@@ -204,3 +204,29 @@ def test_page_metadata_matches_a_per_token_reference(page_size):
     assert meta.positions.tolist() == positions
     assert meta.slot_mapping.tolist() == slots
     assert len(set(slots)) == len(slots)  # no two new tokens write the same slot
+
+
+# --- DecodeSteps ----------------------------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("page_size", [1, 4, 16])
+def test_decode_steps_equal_a_fresh_build_at_every_step(page_size):
+    """The draft forwards' metadata, built once and advanced on the device, is exactly build_page_metadata's for each
+    step, page-boundary crossings included (sequences start at every offset within a page)."""
+    rng = random.Random(page_size)
+    steps = 5
+    firsts = [rng.randrange(0, 40) for _ in range(9)] + [page_size - 1, page_size, 0]
+    pool = PagePool(num_pages=1000, page_size=page_size)
+    tables = [PageTable(pool) for _ in firsts]
+    for table, first in zip(tables, firsts):
+        table.extend(first + steps)
+    page_lists = [t.pages for t in tables]
+    plan = DecodeSteps(page_lists, firsts, steps, page_size, CPU)
+    for j in range(steps):
+        got = plan.step(j)
+        want = build_page_metadata(page_lists, [1] * len(firsts), [f + j + 1 for f in firsts], page_size, CPU)
+        for name in ("qo_indptr", "kv_indptr", "kv_indices", "kv_last_page_len", "kv_lens", "positions",
+                     "slot_mapping"):
+            a, b = getattr(got, name), getattr(want, name)
+            assert a.dtype == b.dtype and torch.equal(a, b), (j, name, a, b)
+        assert (got.max_q_len, got.max_kv_len, got.page_size) == (want.max_q_len, want.max_kv_len, want.page_size)

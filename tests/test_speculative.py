@@ -18,6 +18,7 @@
 from __future__ import annotations
 
 import copy
+import dataclasses
 import math
 from dataclasses import dataclass, field
 
@@ -583,3 +584,65 @@ def test_seeded_requests_reproduce_and_greedy_neighbours_stay_exact(
     pick = lambda run: Run([run.requests[i] for i in greedy_rows], run.spec)  # noqa: E731
     assert_greedy_identical(stories_model, [prompts[i] for i in greedy_rows], pick(baseline), pick(first))
     assert not first.violations and first.free_at_end == first.num_pages
+
+
+# --- mixed batches and the catch-up schedules ---------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("drafter", ["draft", "mtp"])
+def test_decodes_speculate_in_the_same_forward_as_arriving_prefills(stories_model, stories_tokenizer, untrained_head,
+                                                                    drafter):
+    """A stream of arrivals (one every 4 steps): every decode step speculates, in forwards that also prefill the
+    newcomers, and the tokens are the plain engine's."""
+    story = stories_tokenizer.encode(STORY)
+    prompts = [story[5 * i : 5 * i + 9] for i in range(8)]
+    params = [SamplingParams(max_new_tokens=20, ignore_eos=True)] * 8
+    arrivals = {4 * i: [i] for i in range(1, 8)}
+    plain = drive(Engine(stories_model, stories_tokenizer, [2], EngineConfig(backend="torch", num_pages=64)),
+                  prompts, params, arrivals)
+    engine = Engine(stories_model, stories_tokenizer, [2], EngineConfig(num_draft_tokens=3, backend="torch",
+                                                                        num_pages=64))
+    engine.attach_drafter(drafter, stories_model if drafter == "draft" else untrained_head)
+    mixed_forwards = []
+    run_target = engine.runner.run
+
+    def recording_run(input_ids, meta, *args, **kwargs):
+        q_lens = (meta.qo_indptr[1:] - meta.qo_indptr[:-1]).tolist()
+        mixed_forwards.append(4 in q_lens and any(q not in (1, 4) for q in q_lens))  # verify rows beside a prefill
+        return run_target(input_ids, meta, *args, **kwargs)
+
+    engine.runner.run = recording_run
+    run = drive(engine, prompts, params, arrivals)
+
+    assert run.outputs == plain.outputs and not run.violations
+    assert run.spec["speculated_share"] == 1.0 and run.spec["verify_steps"] > 0
+    assert sum(mixed_forwards) >= 5, "no forward packed verify rows beside a prefill chunk"
+
+
+@pytest.mark.parametrize("k", [1, 3])
+def test_verified_catch_up_schedule_gives_the_accepted_schedules_tokens_and_acceptance(
+        stories_model, stories_tokenizer, untrained_head, workloads, k):
+    """The seed's schedule (the head over all K+1 verified positions before the accepted lengths are read) drafts
+    the same tokens as the default: seeded T=1 requests (where even this head's drafts are often accepted) give the
+    same outputs and the same accepted-length histogram, and pages stay in step with both caches."""
+    prompts, greedy = workloads["mixed"]
+    params = [dataclasses.replace(p, temperature=1.0, seed=i) for i, p in enumerate(greedy)]
+    runs = {}
+    for schedule in ("accepted", "verified"):
+        engine = Engine(stories_model, stories_tokenizer, [2], EngineConfig(
+            num_draft_tokens=k, backend="torch", page_size=8, num_pages=128, draft_catch_up=schedule))
+        engine.attach_drafter("mtp", untrained_head)
+        runs[schedule] = drive(engine, prompts, params)
+    accepted, verified = runs["accepted"], runs["verified"]
+    assert verified.outputs == accepted.outputs and not verified.violations
+    assert verified.spec["accepted_length_histogram"] == accepted.spec["accepted_length_histogram"]
+    assert sum(verified.spec["accepted_length_histogram"][1:]) > 0, "no draft was ever accepted: a weak check"
+
+
+def test_verified_schedule_is_for_mtp_heads_only(stories_model):
+    engine = Engine(stories_model, config=EngineConfig(draft_catch_up="verified", num_pages=8))
+    with pytest.raises(ValueError, match="MTP head's schedule"):
+        engine.attach_drafter("draft", stories_model)
+    with pytest.raises(ValueError, match="draft_catch_up must be one of accepted, verified, got 'eager'"):
+        Engine(stories_model, config=EngineConfig(draft_catch_up="eager", num_pages=8)).attach_drafter(
+            "mtp", init_head_from_target(stories_model, "stories260K"))
