@@ -9,7 +9,8 @@ One shard holds a fixed run of records, their tokens concatenated:
 Its safetensors metadata has one key, "json": the shard index, the records' sources and a fingerprint of
 everything that determines its contents (so a rerun can tell a finished shard of the same run from a stale one).
 Every file is written to a temporary name in the same folder and renamed into place: a file under its
-final name is always complete.
+final name is always complete. A shard is written tensor by tensor at its final offsets (`ShardWriter`): its
+header depends on shapes alone, so no process ever holds a whole shard in memory.
 """
 
 from __future__ import annotations
@@ -17,16 +18,22 @@ from __future__ import annotations
 import hashlib
 import json
 import os
+from collections.abc import Iterator
+from contextlib import contextmanager
 from pathlib import Path
+from typing import BinaryIO
 
 import torch
 from safetensors import safe_open
-from safetensors.torch import save
 
 FORMAT = "specforge-lite-features/1"
 MANIFEST = "manifest.json"
 DTYPES = {"bfloat16": torch.bfloat16, "float16": torch.float16, "float32": torch.float32}
 ID_BYTES, MASK_BYTES, OFFSET_BYTES = 4, 1, 8
+# safetensors' names of the dtypes a shard holds, in the order its writer sorts tensors (larger dtypes first,
+# then by name): safetensors' own Dtype order, so that ShardWriter's bytes equal safetensors.torch.save's.
+SAFETENSORS_DTYPES = {torch.int64: "I64", torch.float32: "F32", torch.int32: "I32", torch.bfloat16: "BF16",
+                      torch.float16: "F16", torch.uint8: "U8"}
 
 
 def shard_name(index: int, num_shards: int) -> str:
@@ -42,23 +49,60 @@ def bytes_per_token(hidden_size: int, dtype: torch.dtype, num_aux_layers: int) -
     return hidden_size * dtype.itemsize * (1 + num_aux_layers) + ID_BYTES + MASK_BYTES
 
 
-def atomic_write_bytes(path: Path, data: bytes) -> None:
-    """Write to a temporary file beside `path`, flush it to disk, then rename: readers never see a partial file."""
+@contextmanager
+def atomic_file(path: Path) -> Iterator[BinaryIO]:
+    """A file opened on a temporary name beside `path`; when the block ends without error it is flushed to disk
+    and renamed onto `path`, so readers never see a partial file (an error leaves the temporary file, which the
+    next write truncates)."""
     tmp = temp_path(path)
     with open(tmp, "wb") as f:
-        f.write(data)
+        yield f
         f.flush()
         os.fsync(f.fileno())
     os.replace(tmp, path)
+
+
+def atomic_write_bytes(path: Path, data: bytes) -> None:
+    with atomic_file(path) as f:
+        f.write(data)
 
 
 def temp_path(path: Path) -> Path:
     return path.with_name(f".{path.name}.tmp")
 
 
-def shard_bytes(tensors: dict[str, torch.Tensor], meta: dict) -> bytes:
-    """Serialize a shard; one metadata key keeps the header's byte order fixed, so equal inputs give equal bytes."""
-    return save({k: v.contiguous() for k, v in tensors.items()}, metadata={"json": json.dumps(meta, sort_keys=True)})
+class ShardWriter:
+    """Writes a shard into an open file tensor by tensor, rows at a time, each at its final offset.
+
+    The header (safetensors' layout: an 8-byte little-endian length, compact JSON with the metadata first, then
+    the tensors sorted by dtype and name, padded with spaces to 8 bytes) follows from the shapes alone, so it is
+    written first and the tensors' bytes go straight from the caller's buffers to the file: memory holds one
+    batch, never the shard. The bytes equal safetensors.torch.save's for the same tensors and metadata; one
+    metadata key keeps the header's byte order fixed, so equal inputs give equal bytes.
+    """
+
+    def __init__(self, f: BinaryIO, shapes: dict[str, tuple[torch.dtype, tuple[int, ...]]], meta: dict) -> None:
+        order = sorted(shapes, key=lambda name: (list(SAFETENSORS_DTYPES).index(shapes[name][0]), name))
+        header: dict = {"__metadata__": {"json": json.dumps(meta, sort_keys=True)}}
+        self.offsets, self.row_bytes, end = {}, {}, 0
+        for name in order:
+            dtype, shape = shapes[name]
+            row_bytes = dtype.itemsize * torch.Size(shape[1:]).numel()
+            nbytes = row_bytes * shape[0]
+            header[name] = {"dtype": SAFETENSORS_DTYPES[dtype], "shape": list(shape),
+                            "data_offsets": [end, end + nbytes]}
+            self.offsets[name], self.row_bytes[name] = end, row_bytes
+            end += nbytes
+        text = json.dumps(header, separators=(",", ":")).encode()
+        text += b" " * (-len(text) % 8)
+        self.f, self.data_start = f, 8 + len(text)
+        f.seek(0)
+        f.write(len(text).to_bytes(8, "little") + text)
+
+    def write(self, name: str, first_row: int, rows: torch.Tensor) -> None:
+        """Rows [first_row, first_row + len(rows)) of tensor `name` (already in its stored dtype, on CPU)."""
+        self.f.seek(self.data_start + self.offsets[name] + first_row * self.row_bytes[name])
+        self.f.write(rows.contiguous().reshape(-1).view(torch.uint8).numpy())
 
 
 def read_shard_meta(path: Path) -> dict | None:
