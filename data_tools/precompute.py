@@ -18,6 +18,8 @@ and conf/data/, are the trainer's; model.path is the target's Hugging Face folde
      uninterrupted run;
   5. after a barrier, rank 0 writes manifest.json (shapes, dtypes, counts, sources, sha256 per shard, the
      identity of model and tokenizer), also atomically.
+The output folder must be new, empty, or one of precompute's own: a file there that precompute did not write
+is refused by name, never overwritten.
 """
 
 from __future__ import annotations
@@ -41,8 +43,8 @@ from transformers import AutoTokenizer
 
 from data_tools.conversations import DataError, LoadReport, load_conversations
 from data_tools.shards import (
-    DTYPES, FORMAT, OFFSET_BYTES, ShardWriter, atomic_file, aux_key, bytes_per_token, read_shard_meta,
-    sha256_file, shard_name, write_manifest,
+    DTYPES, FORMAT, MANIFEST, OFFSET_BYTES, ShardWriter, atomic_file, aux_key, bytes_per_token, is_own_file,
+    read_manifest, read_shard_meta, sha256_file, shard_name, write_manifest,
 )
 from data_tools.tokenize import PLAIN, ChatFormat, TokenizedRecord, pack_by_budget
 from infer.cli import run_cli
@@ -158,6 +160,28 @@ def plan_shards(records: list[TokenizedRecord], per_shard: int, settings_sha: st
                 )
         plans.append(plan)
     return plans
+
+
+def check_output_dir(out_dir: Path) -> None:
+    """Refuse a folder holding anything but precompute's own files (shards, manifest, their temporary files):
+    precompute overwrites and resumes its own work only, never a user's file that shares the folder. A file with
+    a shard's name counts as precompute's only when its header says so."""
+    if out_dir.exists() and not out_dir.is_dir():
+        raise DataError(f"output_dir={out_dir} is not a folder")
+    for path in sorted(out_dir.iterdir()) if out_dir.is_dir() else []:
+        own = is_own_file(path.name) and path.is_file() and not path.is_symlink()
+        if own and path.suffix == ".safetensors":
+            meta = read_shard_meta(path)
+            own = isinstance(meta, dict) and meta.get("format") == FORMAT
+        if not own:
+            raise DataError(f"{path} was not written by precompute (or is damaged): output_dir={out_dir} must be new, "
+                            f"empty or precompute's own; move the file away or choose another output_dir")
+    if (out_dir / MANIFEST).is_file():
+        try:
+            read_manifest(out_dir)
+        except DataError as err:
+            raise DataError(f"{err}; precompute never overwrites a manifest it did not write: move it away or "
+                            f"choose another output_dir") from err
 
 
 def storage_estimate(plans: list[ShardPlan], per_token: int) -> int:
@@ -313,6 +337,7 @@ def run(cfg: DictConfig) -> dict | None:
     settings = {"format": FORMAT, **identity, "dtype": pc.dtype, "model_dtype": pc.model_dtype,
                 "aux_layers": aux_layers}
     settings_sha = _sha256_bytes(json.dumps(settings, sort_keys=True).encode())
+    check_output_dir(out_dir)
     plans = plan_shards(records, int(pc.records_per_shard), settings_sha, out_dir, bool(pc.overwrite))
 
     hidden = model_config.hidden_size
@@ -327,6 +352,7 @@ def run(cfg: DictConfig) -> dict | None:
         return None
     free = check_disk(needed, out_dir, bool(pc.force))
     log(f"free on disk: {human_bytes(free)}")
+    _barrier(world)  # every rank has checked the folder before any rank writes to it
     out_dir.mkdir(parents=True, exist_ok=True)
 
     mine = [p for p in pending if p.index % world == rank]
@@ -367,16 +393,23 @@ def run(cfg: DictConfig) -> dict | None:
 
 def build_manifest(cfg: DictConfig, plans: list[ShardPlan], identity: dict, report: LoadReport, hidden: int,
                    per_token: int, aux_layers: list[int], out_dir: Path) -> dict:
+    """The manifest of the finished shards. A shard this run skipped keeps the sha256 the previous manifest
+    gave it (same fingerprint): one damaged since is refused, not listed anew as if it were sound."""
+    listed = {s["file"]: s for s in read_manifest(out_dir)["shards"]} if (out_dir / MANIFEST).is_file() else {}
     shards = []
     for plan in plans:
         path = out_dir / plan.name
         meta = read_shard_meta(path)
         if meta is None or meta.get("fingerprint") != plan.fingerprint:
             raise DataError(f"{path} is missing or from another run after all ranks finished")
+        digest, before = sha256_file(path), listed.get(plan.name, {})
+        if plan.done and before.get("fingerprint") == plan.fingerprint and before.get("sha256") != digest:
+            raise DataError(f"{path} changed after {out_dir / MANIFEST} listed it (damaged on disk): delete it and "
+                            "rerun this command, which recomputes only missing shards")
         shards.append({
             "file": plan.name, "num_records": len(plan.records), "num_tokens": plan.num_tokens,
             "num_loss_tokens": sum(sum(r.loss_mask) for r in plan.records), "bytes": path.stat().st_size,
-            "sha256": sha256_file(path), "sources": [r.source for r in plan.records],
+            "sha256": digest, "fingerprint": plan.fingerprint, "sources": [r.source for r in plan.records],
         })
     tokens = sum(s["num_tokens"] for s in shards)
     num_bytes = sum(s["bytes"] for s in shards)

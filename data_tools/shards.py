@@ -18,13 +18,16 @@ from __future__ import annotations
 import hashlib
 import json
 import os
+import re
 from collections.abc import Iterator
 from contextlib import contextmanager
 from pathlib import Path
 from typing import BinaryIO
 
 import torch
-from safetensors import safe_open
+from safetensors import SafetensorError, safe_open
+
+from data_tools.conversations import DataError
 
 FORMAT = "specforge-lite-features/1"
 MANIFEST = "manifest.json"
@@ -34,6 +37,7 @@ ID_BYTES, MASK_BYTES, OFFSET_BYTES = 4, 1, 8
 # then by name): safetensors' own Dtype order, so that ShardWriter's bytes equal safetensors.torch.save's.
 SAFETENSORS_DTYPES = {torch.int64: "I64", torch.float32: "F32", torch.int32: "I32", torch.bfloat16: "BF16",
                       torch.float16: "F16", torch.uint8: "U8"}
+_OWN_NAME = re.compile(rf"(shard-\d{{5,}}-of-\d{{5,}}\.safetensors|{re.escape(MANIFEST)})")
 
 
 def shard_name(index: int, num_shards: int) -> str:
@@ -69,6 +73,11 @@ def atomic_write_bytes(path: Path, data: bytes) -> None:
 
 def temp_path(path: Path) -> Path:
     return path.with_name(f".{path.name}.tmp")
+
+
+def is_own_file(name: str) -> bool:
+    """A name precompute writes in its output folder: a shard, the manifest, or the temporary file of either."""
+    return bool(_OWN_NAME.fullmatch(name[1:-4] if name.startswith(".") and name.endswith(".tmp") else name))
 
 
 class ShardWriter:
@@ -110,7 +119,7 @@ def read_shard_meta(path: Path) -> dict | None:
     try:
         with safe_open(str(path), framework="pt") as f:
             return json.loads((f.metadata() or {}).get("json", "null"))
-    except (OSError, RuntimeError, ValueError, json.JSONDecodeError):
+    except (OSError, RuntimeError, ValueError, SafetensorError):
         return None
 
 
@@ -129,8 +138,33 @@ def write_manifest(out_dir: Path, manifest: dict) -> None:
 def read_manifest(out_dir: Path) -> dict:
     path = Path(out_dir) / MANIFEST
     if not path.is_file():
-        raise FileNotFoundError(f"{path} does not exist: run `python -m data_tools.precompute` first (or it was interrupted)")
-    manifest = json.loads(path.read_text())
-    if manifest.get("format") != FORMAT:
-        raise ValueError(f"{path}: format {manifest.get('format')!r}, expected {FORMAT!r}")
+        raise DataError(f"{path} does not exist: run `python -m data_tools.precompute` first (or it was interrupted)")
+    try:
+        manifest = json.loads(path.read_text())
+    except (UnicodeDecodeError, json.JSONDecodeError) as err:
+        raise DataError(f"{path} is not JSON ({err}): damaged, or not written by data_tools.precompute") from err
+    if not isinstance(manifest, dict) or manifest.get("format") != FORMAT:
+        found = manifest.get("format") if isinstance(manifest, dict) else type(manifest).__name__
+        raise DataError(f"{path}: format {found!r}, expected {FORMAT!r}")
     return manifest
+
+
+def shard_problem(root: Path, entry: dict, full_hash: bool) -> str | None:
+    """What keeps shard `entry` of root's manifest from being read as precompute wrote it, as a one-line message
+    that names the file, the manifest and the fix; None when nothing. Presence, size and header are cheap and
+    always checked; the full sha256 (the cost: it reads every byte) only when `full_hash`."""
+    path, manifest = root / entry["file"], root / MANIFEST
+    rerun = (f"rerun `python -m data_tools.precompute output_dir={root}` with the overrides of the run that wrote it "
+             f"(the manifest records its model, data and settings): it recomputes only missing shards")
+    if not path.is_file():
+        return f"{path} is missing ({manifest} lists it): {rerun}"
+    size = path.stat().st_size
+    if size != entry["bytes"]:
+        return (f"{path} has {size} bytes but {manifest} lists {entry['bytes']} (truncated or replaced): "
+                f"delete it and {rerun}")
+    if read_shard_meta(path) is None:
+        return f"{path} has a damaged header (not a readable safetensors shard): delete it and {rerun}"
+    if full_hash and (digest := sha256_file(path)) != entry["sha256"]:
+        return (f"{path} has sha256 {digest[:16]}... but {manifest} lists {entry['sha256'][:16]}... (damaged after it "
+                f"was written): delete it and {rerun}")
+    return None
