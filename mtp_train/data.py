@@ -99,8 +99,9 @@ def open_features(path: str | Path, hidden_size: int) -> FeatureDataset:
     Every rank reads records of every shard, so every shard is hashed once per run on each node: the node's
     LOCAL_WORLD_SIZE processes (torchrun's; a plain run is a node of one) hash every LOCAL_WORLD_SIZE-th shard
     each and all ranks gather the problems found. Once per node rather than once per job, so node-local copies
-    of features_dir are covered too; the cost per rank is the dataset's bytes / LOCAL_WORLD_SIZE at about
-    0.5 s per GB. Any problem is a one-line FeatureError naming the shard, raised on every rank alike.
+    of features_dir are covered too; the cost per rank is the dataset's bytes / LOCAL_WORLD_SIZE at 0.6-0.9 s
+    per GB (sha256 from page cache on one core; a cold disk may be slower). Any problem is a one-line
+    FeatureError naming the shard, raised on every rank alike.
     """
     path = Path(path)
     if not (path / "manifest.json").is_file():
