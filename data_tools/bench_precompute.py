@@ -4,8 +4,9 @@
 
 Both sides get the same tokenized records (FastChat's ShareGPT sample through the stories260K plain template:
 mixed lengths) in the same order, in the same process, after one warm-up batch each, timed --repeats times alternately (best of each):
-  runtime       FeatureExtractor.shard_tensors, as precompute runs it (longest-first packing under a token
-                budget, no padding, hidden states cast to the storage dtype and gathered into shard order);
+  runtime       FeatureExtractor.write_shard, as precompute runs it (longest-first packing under a token
+                budget, no padding, hidden states cast to the storage dtype and written into a shard file, here
+                an anonymous temporary file);
   transformers  LlamaForCausalLM(..., output_hidden_states=True) on right-padded batches of --hf-batch-size
                 records with an attention mask.
 Tokens/s counts real tokens only. It also prints bytes per token of a shard as precompute writes it against the
@@ -16,6 +17,7 @@ from __future__ import annotations
 
 import argparse
 import sys
+import tempfile
 import time
 from pathlib import Path
 
@@ -24,19 +26,26 @@ from transformers import AutoTokenizer, LlamaForCausalLM
 
 from data_tools.conversations import LoadReport, load_conversations
 from data_tools.precompute import FeatureExtractor
-from data_tools.shards import bytes_per_token, shard_bytes
+from data_tools.shards import bytes_per_token
 from data_tools.tokenize import ChatFormat, TokenizedRecord
 from infer.cli import run_cli
-from infer.loader import DTYPES, load_model
+from infer.loader import DTYPES, load_config, load_model
 
 ASSETS = Path(__file__).resolve().parents[2] / "shared" / "assets"
 
 
 def runtime_forward(model_dir: Path, args):
-    """The precompute's own path: FeatureExtractor.shard_tensors over all records (one shard)."""
+    """The precompute's own path: FeatureExtractor.write_shard over all records (one shard); returns its bytes."""
     model = load_model(model_dir, dtype=torch.float32, device=args.device)
     extractor = FeatureExtractor(model, DTYPES[args.dtype], [], args.max_tokens_per_batch, args.max_records_per_batch)
-    return extractor.shard_tensors
+
+    def run(records: list[TokenizedRecord]) -> int:
+        meta = {"format": "bench", "shard": 0, "fingerprint": "", "sources": [r.source for r in records]}
+        with tempfile.TemporaryFile() as f:
+            extractor.write_shard(f, records, meta)
+            return f.seek(0, 2)
+
+    return run
 
 
 def transformers_forward(model_dir: Path, args):
@@ -111,7 +120,7 @@ def main(argv: list[str] | None = None) -> int:
     runtime(records[: args.hf_batch_size]), reference(records[: args.hf_batch_size])  # warm-up
     runtime_times, reference_times = [], []
     for _ in range(args.repeats):  # interleaved, so that load from other processes hits both sides alike
-        seconds, tensors = timed(runtime, records, args.device)
+        seconds, shard_size = timed(runtime, records, args.device)
         runtime_times.append(seconds)
         reference_times.append(timed(reference, records, args.device)[0])
     runtime_s, hf_s = min(runtime_times), min(reference_times)
@@ -121,9 +130,8 @@ def main(argv: list[str] | None = None) -> int:
           f"{hf_s:.2f} s; all {', '.join(f'{t:.2f}' for t in reference_times)})")
     print(f"speed-up: {hf_s / runtime_s:.2f}x")
 
-    meta = {"format": "bench", "shard": 0, "fingerprint": "", "sources": [r.source for r in records]}
-    stored = len(shard_bytes(tensors, meta)) / tokens
-    minimum = bytes_per_token(tensors["hidden_states"].shape[1], DTYPES[args.dtype], 0)
+    stored = shard_size / tokens
+    minimum = bytes_per_token(load_config(args.model).hidden_size, DTYPES[args.dtype], 0)
     print(f"bytes/token on disk: {stored:.1f} (one shard of {len(records)} records, {args.dtype}); "
           f"minimum {minimum} (+{100 * (stored / minimum - 1):.1f}%: record offsets, sources, header)")
     return 0

@@ -12,10 +12,14 @@ and conf/data/, are the trainer's; model.path is the target's Hugging Face folde
   3. print the storage estimate (bytes per token x tokens) and refuse to start when the disk cannot hold it;
   4. per shard: pack its records (longest first) into variable-length batches under a token budget, run
      each through `infer/` (pages from a PagePool, `build_page_metadata`, `ModelRunner.run` with the chosen
-     aux layers, pages freed), and write the shard atomically; a shard already on disk from the same run is
-     skipped, so a rerun after a kill finishes the job with the same bytes as an uninterrupted run;
+     aux layers, pages freed), and write each batch's rows straight into the shard's temporary file at their
+     final offsets (memory holds one batch, not the shard), renamed into place when complete; a shard already
+     on disk from the same run is skipped, so a rerun after a kill finishes the job with the same bytes as an
+     uninterrupted run;
   5. after a barrier, rank 0 writes manifest.json (shapes, dtypes, counts, sources, sha256 per shard, the
      identity of model and tokenizer), also atomically.
+The output folder must be new, empty, or one of precompute's own: a file there that precompute did not write
+is refused by name, never overwritten.
 """
 
 from __future__ import annotations
@@ -29,6 +33,7 @@ import signal
 import sys
 from dataclasses import dataclass
 from pathlib import Path
+from typing import BinaryIO
 
 import torch
 import torch.distributed as dist
@@ -39,8 +44,8 @@ from transformers import AutoTokenizer
 from data_tools.config import compose
 from data_tools.conversations import DataError, LoadReport, load_conversations
 from data_tools.shards import (
-    FORMAT, OFFSET_BYTES, atomic_write_bytes, aux_key, bytes_per_token, read_shard_meta,
-    sha256_file, shard_bytes, shard_name, temp_path, write_manifest,
+    FORMAT, MANIFEST, OFFSET_BYTES, ShardWriter, atomic_file, aux_key, bytes_per_token, is_own_file,
+    read_manifest, read_shard_meta, sha256_file, shard_name, write_manifest,
 )
 from data_tools.tokenize import PLAIN, ChatFormat, TokenizedRecord, pack_by_budget
 from infer.cli import run_cli
@@ -48,7 +53,7 @@ from infer.kv_cache import PagePool, PageTable, build_page_metadata, pages_neede
 from infer.loader import DTYPES, load_config, load_model, safetensors_files
 from infer.model_runner import ModelRunner
 
-# Tests: after this many shards, write the next one's temp file halfway and SIGKILL the process.
+# Tests: after this many shards, leave the next one's temp file torn (half of it) and SIGKILL the process.
 CRASH_ENV = "DATA_TOOLS_CRASH_AFTER_SHARDS"
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer.model", "tokenizer_config.json", "special_tokens_map.json",
                    "chat_template.jinja")
@@ -142,6 +147,28 @@ def plan_shards(records: list[TokenizedRecord], per_shard: int, settings_sha: st
     return plans
 
 
+def check_output_dir(out_dir: Path) -> None:
+    """Refuse a folder holding anything but precompute's own files (shards, manifest, their temporary files):
+    precompute overwrites and resumes its own work only, never a user's file that shares the folder. A file with
+    a shard's name counts as precompute's only when its header says so."""
+    if out_dir.exists() and not out_dir.is_dir():
+        raise DataError(f"output_dir={out_dir} is not a folder")
+    for path in sorted(out_dir.iterdir()) if out_dir.is_dir() else []:
+        own = is_own_file(path.name) and path.is_file() and not path.is_symlink()
+        if own and path.suffix == ".safetensors":
+            meta = read_shard_meta(path)
+            own = isinstance(meta, dict) and meta.get("format") == FORMAT
+        if not own:
+            raise DataError(f"{path} was not written by precompute (or is damaged): output_dir={out_dir} must be new, "
+                            f"empty or precompute's own; move the file away or choose another output_dir")
+    if (out_dir / MANIFEST).is_file():
+        try:
+            read_manifest(out_dir)
+        except DataError as err:
+            raise DataError(f"{err}; precompute never overwrites a manifest it did not write: move it away or "
+                            f"choose another output_dir") from err
+
+
 def storage_estimate(plans: list[ShardPlan], per_token: int) -> int:
     """Bytes the shards will take: tokens x bytes per token, plus record offsets and headers."""
     total = 0
@@ -212,35 +239,38 @@ class FeatureExtractor:
                 table.free()
         return out.hidden_states, out.aux_hidden_states
 
-    def shard_tensors(self, records: list[TokenizedRecord], bar: tqdm | None = None) -> dict[str, torch.Tensor]:
+    def write_shard(self, f: BinaryIO, records: list[TokenizedRecord], meta: dict, bar: tqdm | None = None) -> None:
+        """The shard of `records` into the open file f: each batch's rows go to their final offsets as soon as
+        they are computed, so memory holds one batch's states, not the shard (see shards.ShardWriter)."""
         lengths = [len(r) for r in records]
         offsets = torch.tensor([0] + lengths, dtype=torch.int64).cumsum(0)
-        total = int(offsets[-1])
-        hidden = torch.empty(total, self.hidden_size, dtype=self.out_dtype)
-        aux = {layer: torch.empty(total, self.hidden_size, dtype=self.out_dtype) for layer in self.aux_layers}
+        rows = (int(offsets[-1]), self.hidden_size)
+        shapes = {"input_ids": (torch.int32, rows[:1]), "loss_mask": (torch.uint8, rows[:1]),
+                  "hidden_states": (self.out_dtype, rows), "record_offsets": (torch.int64, (len(records) + 1,)),
+                  **{aux_key(layer): (self.out_dtype, rows) for layer in self.aux_layers}}
+        writer = ShardWriter(f, shapes, meta)
+        writer.write("input_ids", 0, torch.tensor([t for r in records for t in r.input_ids], dtype=torch.int32))
+        writer.write("loss_mask", 0, torch.tensor([m for r in records for m in r.loss_mask], dtype=torch.uint8))
+        writer.write("record_offsets", 0, offsets)
         for batch in self.batches(lengths):
             states, aux_states = self.forward([records[i].input_ids for i in batch])
-            rows = torch.cat([torch.arange(int(offsets[i]), int(offsets[i + 1])) for i in batch])
-            hidden.index_copy_(0, rows, states.to(self.out_dtype).cpu())
-            for layer in self.aux_layers:
-                aux[layer].index_copy_(0, rows, aux_states[layer].to(self.out_dtype).cpu())
+            stored = {"hidden_states": states.to(self.out_dtype).cpu()}
+            stored.update({aux_key(layer): aux_states[layer].to(self.out_dtype).cpu() for layer in self.aux_layers})
+            row = 0
+            for i in batch:  # the batch holds its records' rows one after another
+                for name, tensor in stored.items():
+                    writer.write(name, int(offsets[i]), tensor[row : row + lengths[i]])
+                row += lengths[i]
             if bar is not None:
-                bar.update(int(rows.numel()))
-        tensors = {
-            "input_ids": torch.tensor([t for r in records for t in r.input_ids], dtype=torch.int32),
-            "loss_mask": torch.tensor([m for r in records for m in r.loss_mask], dtype=torch.uint8),
-            "hidden_states": hidden,
-            "record_offsets": offsets,
-        }
-        tensors.update({aux_key(layer): aux[layer] for layer in self.aux_layers})
-        return tensors
+                bar.update(row)
 
 
-def _crash_if_asked(written: int, path: Path, data: bytes) -> None:
-    """Test hook: leave a torn temp file behind and die as a killed process would."""
+def _crash_if_asked(written: int, f: BinaryIO) -> None:
+    """Test hook: leave a torn temp file behind (half of what was written) and die as a killed process would."""
     crash_after = os.environ.get(CRASH_ENV)
     if crash_after is not None and written == int(crash_after):
-        temp_path(path).write_bytes(data[: len(data) // 2])
+        f.flush()
+        f.truncate(os.fstat(f.fileno()).st_size // 2)
         os.kill(os.getpid(), signal.SIGKILL)
 
 
@@ -287,6 +317,7 @@ def run(cfg: DictConfig) -> dict | None:
     settings = {"format": FORMAT, **identity, "dtype": pc.dtype, "model_dtype": pc.model_dtype,
                 "aux_layers": aux_layers}
     settings_sha = _sha256_bytes(json.dumps(settings, sort_keys=True).encode())
+    check_output_dir(out_dir)
     plans = plan_shards(records, int(pc.records_per_shard), settings_sha, out_dir, bool(pc.overwrite))
 
     hidden = model_config.hidden_size
@@ -301,6 +332,7 @@ def run(cfg: DictConfig) -> dict | None:
         return None
     free = check_disk(needed, out_dir, bool(pc.force))
     log(f"free on disk: {human_bytes(free)}")
+    _barrier(world)  # every rank has checked the folder before any rank writes to it
     out_dir.mkdir(parents=True, exist_ok=True)
 
     mine = [p for p in pending if p.index % world == rank]
@@ -317,13 +349,11 @@ def run(cfg: DictConfig) -> dict | None:
         bar = tqdm(total=sum(p.num_tokens for p in mine), desc="precompute", unit="tok", unit_scale=True,
                    disable=not progress, dynamic_ncols=True)
         for written, plan in enumerate(mine):
-            tensors = extractor.shard_tensors(plan.records, bar)
             meta = {"format": FORMAT, "shard": plan.index, "fingerprint": plan.fingerprint,
                     "sources": [r.source for r in plan.records]}
-            data = shard_bytes(tensors, meta)
-            path = out_dir / plan.name
-            _crash_if_asked(written, path, data)
-            atomic_write_bytes(path, data)
+            with atomic_file(out_dir / plan.name) as f:
+                extractor.write_shard(f, plan.records, meta, bar)
+                _crash_if_asked(written, f)
         bar.close()
 
     _barrier(world)
@@ -343,16 +373,23 @@ def run(cfg: DictConfig) -> dict | None:
 
 def build_manifest(cfg: DictConfig, plans: list[ShardPlan], identity: dict, report: LoadReport, hidden: int,
                    per_token: int, aux_layers: list[int], out_dir: Path) -> dict:
+    """The manifest of the finished shards. A shard this run skipped keeps the sha256 the previous manifest
+    gave it (same fingerprint): one damaged since is refused, not listed anew as if it were sound."""
+    listed = {s["file"]: s for s in read_manifest(out_dir)["shards"]} if (out_dir / MANIFEST).is_file() else {}
     shards = []
     for plan in plans:
         path = out_dir / plan.name
         meta = read_shard_meta(path)
         if meta is None or meta.get("fingerprint") != plan.fingerprint:
             raise DataError(f"{path} is missing or from another run after all ranks finished")
+        digest, before = sha256_file(path), listed.get(plan.name, {})
+        if plan.done and before.get("fingerprint") == plan.fingerprint and before.get("sha256") != digest:
+            raise DataError(f"{path} changed after {out_dir / MANIFEST} listed it (damaged on disk): delete it and "
+                            "rerun this command, which recomputes only missing shards")
         shards.append({
             "file": plan.name, "num_records": len(plan.records), "num_tokens": plan.num_tokens,
             "num_loss_tokens": sum(sum(r.loss_mask) for r in plan.records), "bytes": path.stat().st_size,
-            "sha256": sha256_file(path), "sources": [r.source for r in plan.records],
+            "sha256": digest, "fingerprint": plan.fingerprint, "sources": [r.source for r in plan.records],
         })
     tokens = sum(s["num_tokens"] for s in shards)
     num_bytes = sum(s["bytes"] for s in shards)

@@ -52,6 +52,22 @@ def all_reduce_sum(tensor: torch.Tensor) -> torch.Tensor:
     return tensor
 
 
+def local_part() -> tuple[int, int]:
+    """(this rank's index among its node's ranks, their number) under torchrun; (0, 1) in a world of one."""
+    if dist.is_initialized() and dist.get_world_size() > 1:
+        return int(os.environ.get("LOCAL_RANK", 0)), int(os.environ.get("LOCAL_WORLD_SIZE", 1))
+    return 0, 1
+
+
+def all_gather_lists(items: list) -> list:
+    """Every rank's picklable items, concatenated in rank order (a world of one: its own items)."""
+    if dist.is_initialized() and dist.get_world_size() > 1:
+        gathered: list = [None] * dist.get_world_size()
+        dist.all_gather_object(gathered, items)
+        return [item for part in gathered for item in part]
+    return list(items)
+
+
 def barrier() -> None:
     if dist.is_initialized():
         dist.barrier()

@@ -28,7 +28,7 @@ from mtp_train import checkpoint, distributed
 from mtp_train.data import FeatureError, MicroBatches, eval_batches, open_features, split_records, step_token_counts
 from mtp_train.heads import build_head
 from mtp_train.metrics import Metrics
-from mtp_train.target import TargetError, load_target
+from mtp_train.target import TargetError, load_target, target_config
 from mtp_train.unroll import LossWeights, UnrolledHead
 from mtp_train.validate import validate_head
 
@@ -66,6 +66,8 @@ class Trainer:
         self.out_dir = Path(cfg.output_dir)
         self.prompts = read_prompt_file(cfg.validate.prompts) if cfg.validate.prompts else None  # mistakes now
 
+        # The features first: damaged shards are refused before any weight is read.
+        dataset = open_features(cfg.features_dir, target_config(cfg.model, need_weights=True).hidden_size)
         # The target's shared tensors: read by name, frozen, once; the head references them.
         self.target = load_target(cfg.model, self.dtype, self.device)
         self.frozen_sha256 = self.frozen_fingerprint()  # compared at the end: the shared tensors never change
@@ -74,7 +76,6 @@ class Trainer:
         self.objective = UnrolledHead(self.head, self.target.norm_weight, self.target.eps, self.num_steps,
                                       LossWeights.from_config(cfg.loss))
 
-        dataset = open_features(cfg.features_dir, self.target.config.hidden_size)
         train_ids, eval_ids = split_records(len(dataset), cfg.eval_records, cfg.seed)
         self.micro_batches = MicroBatches(dataset, train_ids, t.micro_batch_size, t.seq_len, cfg.seed, self.rank,
                                           self.world)
