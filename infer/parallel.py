@@ -111,8 +111,8 @@ class TPGroup:
             self.store.wait([ERROR_KEY], PEER_ERROR_WAIT)
             message = self.store.get(ERROR_KEY).decode()
             self.store.set(f"{ERROR_KEY}/seen/{self.rank}", "1")
-        except Exception:  # noqa: BLE001 - the store is gone too: say what this rank saw
-            message = f"a tensor-parallel peer of rank {self.rank} stopped answering ({one_line(err)})"
+        except Exception:  # noqa: BLE001 - no rank left a message (or the store is gone): say what this rank saw
+            message = f"rank {self.rank}: a collective failed and no rank reported why: {one_line(err)}"
         return RemoteRankError(message)
 
 
@@ -311,6 +311,11 @@ def group_of(model: nn.Module) -> TPGroup:
     return next((m.tp for m in model.modules() if getattr(m, "tp", None) is not None and m.tp.size > 1), TPGroup())
 
 
+def parameter_bytes(model: nn.Module) -> int:
+    """What this rank holds of a model's parameters (tied ones once)."""
+    return sum(p.numel() * p.element_size() for p in model.parameters())
+
+
 def whole_weight(module: nn.Module) -> torch.Tensor:
     """A vocabulary-parallel module's whole weight, gathered (every rank takes part); any other module's weight."""
     if isinstance(module, (VocabParallelEmbedding, ParallelLMHead)):
@@ -321,10 +326,12 @@ def whole_weight(module: nn.Module) -> torch.Tensor:
 # --- the step broadcast ----------------------------------------------------------------------------------------
 
 _STEP, _STOP = 0, 1
-_HEADER_LEN = 64
 _DTYPES = (torch.int32, torch.int64, torch.float32, torch.bfloat16, torch.float16)
 _META_TENSORS = tuple(f.name for f in dataclasses.fields(PageMetadata) if "Tensor" in str(f.type))
 _META_INTS = tuple(f.name for f in dataclasses.fields(PageMetadata) if "Tensor" not in str(f.type))
+# op, runner id, the metadata's ints, then (dtype, rows, cols) for input_ids, logits_indices, hidden_states,
+# aux_layers and each metadata tensor
+_HEADER_LEN = 2 + len(_META_INTS) + 3 * (4 + len(_META_TENSORS))
 _MODEL_INPUTS = ("aux_layers", "hidden_states")  # what a runner's model_inputs may carry
 
 _RUNNERS: weakref.WeakValueDictionary[int, "ModelRunner"] = weakref.WeakValueDictionary()
@@ -491,3 +498,5 @@ def _spawned(rank: int, nprocs: int, port: int, fn: Callable[..., None], args: t
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank), LOCAL_RANK=str(rank),
                       WORLD_SIZE=str(nprocs), LOCAL_WORLD_SIZE=str(nprocs))
     fn(*args)
+    if dist.is_initialized():  # a gloo group left standing can abort the process at exit
+        dist.destroy_process_group()

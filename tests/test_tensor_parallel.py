@@ -31,7 +31,7 @@ from infer.models.deepseek_v2 import DeepseekV2ForCausalLM
 from infer.models.llama import LlamaForCausalLM
 from infer.models.mtp_head import init_head_from_target, load_head, save_head
 from infer.parallel import (
-    RemoteRankError, ShardingError, TPGroup, fail, init_tp, serve_forever, spawn, stop_workers,
+    RemoteRankError, ShardingError, TPGroup, fail, init_tp, parameter_bytes, serve_forever, spawn, stop_workers,
 )
 from infer.sampling_params import SamplingParams
 from tests.test_deepseek_v2 import CONFIGS as DEEPSEEK_CONFIGS
@@ -70,10 +70,6 @@ def paged_logits(runner: ModelRunner, vocab: int, seed: int = 0) -> torch.Tensor
     return torch.cat(logits)
 
 
-def param_bytes(model: torch.nn.Module) -> int:
-    return sum(p.numel() * p.element_size() for p in model.parameters())
-
-
 def make_engine(model: torch.nn.Module) -> Engine:
     return Engine(model, None, [], EngineConfig(page_size=4, num_pages=256, max_num_seqs=4, backend="torch"))
 
@@ -109,7 +105,7 @@ def rank_session(folders: dict[str, str], stories: str, head_dir: str, out: str)
     for name, folder in {"stories": stories, **folders}.items():
         read_bytes[0] = 0
         models[name] = model = load_model(folder)
-        record[f"{name}/param_bytes"], record[f"{name}/read_bytes"] = param_bytes(model), read_bytes[0]
+        record[f"{name}/param_bytes"], record[f"{name}/read_bytes"] = parameter_bytes(model), read_bytes[0]
         runner = ModelRunner(model, 64, 4, "torch")
         if tp.rank == 0:
             record[f"{name}/logits"] = paged_logits(runner, model.config.vocab_size)
@@ -129,7 +125,7 @@ def rank_session(folders: dict[str, str], stories: str, head_dir: str, out: str)
                 torch.equal(a, b) for a, b in zip(head.state_dict().values(), loaded.state_dict().values()))
         if kind == "draft" and tp.rank == 0:  # a whole draft LM on rank 0 only
             draft = load_model(stories, tp=TPGroup())
-            record["draft/param_bytes"] = param_bytes(draft)
+            record["draft/param_bytes"] = parameter_bytes(draft)
             engine.num_draft_tokens = 3
             engine.attach_drafter("draft", draft)
         if tp.rank == 0:
@@ -204,7 +200,7 @@ def test_two_ranks_give_the_logits_of_one(session, folders, stories_hf_dir, name
 @pytest.mark.parametrize("name", ["stories", "llama3_gqa", "deepseek_lite", "deepseek_v2"])
 def test_each_rank_holds_and_reads_half_plus_the_replicated_parts(session, folders, stories_hf_dir, name):
     model = load_model(stories_hf_dir if name == "stories" else folders[name])
-    whole = param_bytes(model)
+    whole = parameter_bytes(model)
     replicated = sum(p.numel() * p.element_size() for n, p in model.named_parameters()
                      if any(part in n for part in REPLICATED))
     assert 0 < replicated < whole / 4
@@ -215,7 +211,7 @@ def test_each_rank_holds_and_reads_half_plus_the_replicated_parts(session, folde
 
 def test_one_kv_head_is_replicated_on_both_ranks(session, folders):
     """num_key_value_heads=1 < tp=2: each rank keeps the one KV head, so it holds more than half."""
-    whole = param_bytes(load_model(folders["llama3_one_kv_head"]))
+    whole = parameter_bytes(load_model(folders["llama3_one_kv_head"]))
     assert session[0]["llama3_one_kv_head/param_bytes"] == session[1]["llama3_one_kv_head/param_bytes"]
     assert whole / 2 < session[0]["llama3_one_kv_head/param_bytes"] < 0.6 * whole
 
@@ -239,7 +235,7 @@ def test_engine_generates_the_tokens_of_one_rank(session, stories_model, kind):
     if kind == "mtp":
         assert session[0]["mtp/load_head_equal"] and session[1]["mtp/load_head_equal"]
     if kind == "draft":  # the draft LM is whole, on rank 0
-        assert session[0]["draft/param_bytes"] == param_bytes(stories_model)
+        assert session[0]["draft/param_bytes"] == parameter_bytes(stories_model)
         assert session[0]["draft/tau"] > 3
 
 
