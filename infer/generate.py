@@ -3,6 +3,8 @@
     python -m infer.generate --model DIR --prompt "Once upon a time" --max-new-tokens 64
     python -m infer.generate --model DIR --prompt-file prompts.jsonl --temperature 1 --seed 0 --json
 
+    torchrun --nproc_per_node 2 -m infer.generate --tp 2 --model DIR --prompt "Once upon a time"
+
 --prompt-file takes JSONL records with a "prompt", "text" or "turns" field (MT-bench and Spec-Bench
 question files work as they are: the first turn is used; see infer.prompts).
 """
@@ -20,6 +22,7 @@ import torch
 from infer.cli import CliError, add_engine_args, add_spec_args, attach_spec, engine_kwargs, run_cli
 from infer.engine import Engine
 from infer.loader import DTYPES
+from infer.parallel import drafter_scope, init_tp, serve_forever, tp_main
 from infer.prompts import read_prompt_file
 from infer.sampling_params import SamplingParams
 
@@ -39,6 +42,7 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--stop", action="append", default=[], help="stop string; repeat for several")
     parser.add_argument("--batch-size", type=int, default=64, help="most requests decoded together (default 64)")
     parser.add_argument("--json", action="store_true", help="one JSON object per prompt on stdout")
+    parser.add_argument("--tp", type=int, default=1, help="tensor-parallel ranks; run under torchrun --nproc_per_node TP")
     add_engine_args(parser)
     add_spec_args(parser)
     return parser
@@ -53,9 +57,15 @@ def main(argv: list[str] | None = None) -> int:
         temperature=args.temperature, top_k=args.top_k, top_p=args.top_p, max_new_tokens=args.max_new_tokens,
         seed=args.seed, stop=tuple(args.stop),
     )
+    tp = init_tp(args.tp, args.device)  # each rank loads its shard of the model (and of an MTP head)
     engine = Engine.from_pretrained(args.model, dtype=DTYPES[args.dtype], device=args.device,
                                     **engine_kwargs(args, max_num_seqs=args.batch_size))
-    attach_spec(engine, args)
+    if tp.rank == 0 or args.spec == "mtp":  # a draft LM runs whole on rank 0 only
+        with drafter_scope(args.spec):
+            attach_spec(engine, args)
+    if tp.rank > 0:  # rank 0 schedules; the others run its steps on their shards
+        serve_forever()
+        return 0
     params.validate(engine.model.config.vocab_size)
     for i, prompt in enumerate(prompts):
         try:  # prompt i samples with seed S + i: reproducible, yet each prompt draws its own tokens
@@ -85,4 +95,4 @@ def main(argv: list[str] | None = None) -> int:
 
 
 if __name__ == "__main__":
-    sys.exit(run_cli(main))
+    sys.exit(run_cli(tp_main(main)))

@@ -2,6 +2,7 @@
 
 Weights are read only from safetensors, never unpickled. Each architecture's module names equal the
 checkpoint keys; an architecture may declare `checkpoint_renames` for keys stored in another layout.
+Under tensor parallelism a rank reads only the slices it keeps (safetensors' get_slice).
 """
 
 from __future__ import annotations
@@ -13,6 +14,8 @@ from pathlib import Path
 import torch
 from safetensors import SafetensorError, safe_open
 from transformers import AutoConfig, AutoTokenizer, GenerationConfig, PretrainedConfig, PreTrainedTokenizerBase
+
+from infer.parallel import Shard, TPGroup, current
 
 # model_type in config.json -> the class in infer/models that implements it (one file per architecture).
 MODEL_CLASSES = {
@@ -73,22 +76,68 @@ def safetensors_files(path: Path) -> list[Path]:
     return files
 
 
+class CheckpointTensor:
+    """A checkpoint tensor not read yet: `[i]`, `chunk` and `narrow` pick a part, `read()` reads just that part.
+
+    checkpoint_renames index it like a tensor, and the loader narrows it to the rows or columns a
+    tensor-parallel rank keeps, so no rank reads a tensor it does not keep.
+    """
+
+    def __init__(self, file, key: str, index: tuple | None = None) -> None:
+        self._file, self.key, self._whole = file, key, index is None
+        # per stored dimension: an int (selected away) or the slice still kept
+        self._index = index if index is not None else tuple(slice(0, n) for n in file.get_slice(key).get_shape())
+
+    @property
+    def shape(self) -> tuple[int, ...]:
+        return tuple(s.stop - s.start for s in self._index if isinstance(s, slice))
+
+    def _kept_dims(self) -> list[int]:
+        return [i for i, s in enumerate(self._index) if isinstance(s, slice)]
+
+    def _with(self, dim: int, selection: int | slice) -> "CheckpointTensor":
+        index = list(self._index)
+        index[self._kept_dims()[dim]] = selection
+        return CheckpointTensor(self._file, self.key, tuple(index))
+
+    def narrow(self, dim: int, start: int, length: int) -> "CheckpointTensor":
+        first = self._index[self._kept_dims()[dim]].start
+        return self._with(dim, slice(first + start, first + start + length))
+
+    def __getitem__(self, i: int) -> "CheckpointTensor":
+        return self._with(0, self._index[self._kept_dims()[0]].start + i)
+
+    def chunk(self, chunks: int, dim: int = 0) -> list["CheckpointTensor"]:
+        size = -(-self.shape[dim] // chunks)
+        return [self.narrow(dim, start, min(size, self.shape[dim] - start)) for start in range(0, self.shape[dim], size)]
+
+    def read(self) -> torch.Tensor:
+        return self._file.get_tensor(self.key) if self._whole else self._file.get_slice(self.key)[self._index]
+
+
 def load_model(
-    path: str | Path, dtype: torch.dtype = torch.float32, device: str | torch.device = "cpu"
+    path: str | Path, dtype: torch.dtype = torch.float32, device: str | torch.device = "cpu",
+    tp: TPGroup | None = None,
 ) -> torch.nn.Module:
     """Build the model on the meta device, then fill every parameter from the checkpoint's tensors.
 
     An architecture's `checkpoint_renames(key, tensor, config)` says where a checkpoint tensor goes: whole
     parameters as (name, tensor), pieces of a fused parameter as (name, tensor, first_row, rows); one
     checkpoint tensor may also be split into several whole parameters.
+    tp: the tensor-parallel group to shard over (default: the current one, see infer.parallel.init_tp); a
+    sharded parameter (its module's `tp_shards`) is filled with just this rank's rows or columns, and the
+    parameters other ranks own (`tp_foreign_params`, another rank's experts) are skipped unread.
     """
     path = Path(path)
     config = load_config(path)
     module_name, class_name = MODEL_CLASSES[config.model_type].split(":")
     model_cls = getattr(importlib.import_module(module_name), class_name)
     with torch.device("meta"):
-        model = model_cls(config)
+        model = model_cls(config, tp or current())
     params = dict(model.named_parameters())
+    modules = list(model.named_modules())
+    shards = {_join(prefix, name): shard for prefix, m in modules for name, shard in getattr(m, "tp_shards", {}).items()}
+    foreign = {_join(prefix, name) for prefix, m in modules for name in getattr(m, "tp_foreign_params", ())}
     tied = {"lm_head.weight"} if getattr(config, "tie_word_embeddings", False) else set()
     state: dict[str, torch.Tensor] = {}
     rows_filled: dict[str, int] = {}
@@ -99,9 +148,10 @@ def load_model(
                 for key in f.keys():
                     if key.endswith(IGNORED_KEY_SUFFIXES) or key in tied:
                         continue
-                    tensor = f.get_tensor(key)
+                    tensor = CheckpointTensor(f, key)
                     for name, piece, *rows in renames(key, tensor, config) if renames else [(key, tensor)]:
-                        _place(file, key, name, piece, rows, params, state, rows_filled, dtype)
+                        if name not in foreign:
+                            _place(file, key, name, piece, rows, params, shards.get(name), state, rows_filled, dtype)
         except (OSError, RuntimeError, SafetensorError) as err:  # truncated or non-safetensors files
             raise ModelLoadError(f"cannot read {file}: {err}") from err
     incomplete = sorted(n for n in params if n not in tied and rows_filled.get(n, 0) < params[n].shape[0])
@@ -114,23 +164,43 @@ def load_model(
     return model.to(device).eval().requires_grad_(False)
 
 
+def _join(prefix: str, name: str) -> str:
+    return f"{prefix}.{name}" if prefix else name
+
+
 def _place(
-    file: Path, key: str, name: str, tensor: torch.Tensor, rows: list[int], params: dict[str, torch.nn.Parameter],
-    state: dict[str, torch.Tensor], rows_filled: dict[str, int], dtype: torch.dtype,
+    file: Path, key: str, name: str, tensor: CheckpointTensor, rows: list[int], params: dict[str, torch.nn.Parameter],
+    shard: Shard | None, state: dict[str, torch.Tensor], rows_filled: dict[str, int], dtype: torch.dtype,
 ) -> None:
-    """Copy checkpoint tensor `key` into parameter `name` (rows = [first_row, num_rows] for a fused piece)."""
+    """Copy checkpoint tensor `key` into parameter `name` (rows = [first_row, num_rows] of the whole parameter
+    for a fused piece); of a sharded parameter, read and copy only the rows or columns this rank keeps."""
     if name not in params:
         raise ModelLoadError(f"{file}: tensor {key!r} matches no parameter of the model in config.json")
-    full = params[name].shape
-    first, expected = (rows[0], (rows[1], *full[1:])) if rows else (0, tuple(full))
+    full = shard.full if shard else tuple(params[name].shape)
+    first, expected = (rows[0], (rows[1], *full[1:])) if rows else (0, full)
     if tuple(tensor.shape) != tuple(expected):
         raise ModelLoadError(
             f"{file}: tensor {key!r} has shape {tuple(tensor.shape)}, config.json implies {tuple(expected)}"
         )
     if name not in state:
-        state[name] = torch.empty(full, dtype=dtype)
-    state[name][first : first + tensor.shape[0]] = tensor
-    rows_filled[name] = rows_filled.get(name, 0) + tensor.shape[0]
+        state[name] = torch.empty(params[name].shape, dtype=dtype)
+    target, count = state[name], expected[0]
+    if shard is None:
+        target[first : first + count] = tensor.read()
+    elif shard.dim == 0:  # kept rows [lo, hi) of the whole parameter land one after another
+        count, offset = 0, 0
+        for lo, hi in shard.ranges:
+            start, stop = max(lo, first), min(hi, first + expected[0])
+            if start < stop:
+                target[offset + start - lo : offset + stop - lo] = tensor.narrow(0, start - first, stop - start).read()
+                count += stop - start
+            offset += hi - lo
+    else:  # kept columns, of every row of the piece
+        offset = 0
+        for lo, hi in shard.ranges:
+            target[first : first + count, offset : offset + hi - lo] = tensor.narrow(1, lo, hi - lo).read()
+            offset += hi - lo
+    rows_filled[name] = rows_filled.get(name, 0) + count
 
 
 def load_tokenizer(path: str | Path) -> PreTrainedTokenizerBase | None:

@@ -2,6 +2,10 @@
 
 The engine owns the page pool and the page tables; a target and a drafter each get a runner whose KV
 tensors are indexed by the same page ids, so one allocator serves both.
+
+`run` is the only place a model is invoked, which makes it the seam for tensor parallelism: a runner over a
+sharded model, on rank 0 (where the engine schedules), broadcasts each step before running it; the other
+ranks run the same step through `forward` from `infer.parallel.serve_forever`.
 """
 
 from __future__ import annotations
@@ -11,6 +15,7 @@ import torch
 from infer.attention import FlashInferAttention, TorchAttention, resolve_backend_name
 from infer.kv_cache import PageMetadata
 from infer.models.common import ModelOutput
+from infer.parallel import broadcast_step, group_of, register_runner
 
 
 class ModelRunner:
@@ -24,6 +29,8 @@ class ModelRunner:
             self.attn = FlashInferAttention(dtype=self.dtype, device=self.device, **model.attention_dims())
         else:
             self.attn = TorchAttention()
+        self.tp = group_of(model)
+        self.runner_id = register_runner(self) if self.tp.size > 1 else None  # the same on every rank
 
     @torch.inference_mode()
     def run(
@@ -34,5 +41,18 @@ class ModelRunner:
         **model_inputs,
     ) -> ModelOutput:
         """model_inputs: aux_layers=(...) for a language model, hidden_states=[T, H] for an MTP head."""
+        if self.runner_id is not None:
+            broadcast_step(self.tp, self.runner_id, input_ids, meta, logits_indices, model_inputs)
+        return self.forward(input_ids, meta, logits_indices, **model_inputs)
+
+    @torch.inference_mode()
+    def forward(
+        self,
+        input_ids: torch.Tensor,
+        meta: PageMetadata,
+        logits_indices: torch.Tensor | None = None,
+        **model_inputs,
+    ) -> ModelOutput:
+        """This rank's part of a step: on rank 0 through `run`, on the others as `serve_forever` receives it."""
         self.attn.plan(meta)
         return self.model(input_ids, meta.positions, self.attn, self.kv_caches, logits_indices, **model_inputs)

@@ -8,13 +8,20 @@ rotated rope key (qk_rope_head_dim), shared by all heads, instead of full per-he
 Module names mirror the Hugging Face hub checkpoint keys (per-expert MLPs); `checkpoint_renames` also accepts
 transformers-5's fused expert tensors. Semantics follow transformers' DeepseekV2ForCausalLM, plus the original
 DeepSeek code's `moe_layer_freq` and `norm_topk_prob`, which transformers ignores.
+
+Under tensor parallelism (`tp`, infer.parallel) a rank holds its heads' rows of q_proj / q_b_proj and
+kv_b_proj and their columns of o_proj; the latent projections, their norms and the latent cache are replicated
+(every rank attends over the same latents with its own heads). Routed experts are expert-parallel (rank r owns
+experts r, r + tp, ...; the router is replicated), shared experts and dense MLPs split like Llama's MLP.
 """
 
 from __future__ import annotations
 
+import itertools
 import math
 import re
 from collections.abc import Sequence
+from typing import TYPE_CHECKING
 
 import torch
 import torch.nn.functional as F
@@ -26,6 +33,10 @@ from infer.attention import AttentionBackend
 from infer.models.common import (
     ModelOutput, RMSNorm, RotaryEmbedding, apply_rope_interleaved, final_logits, run_decoder_layers,
 )
+from infer.parallel import TPGroup, check_split, column_linear, current, lm_head_linear, row_linear, vocab_embedding
+
+if TYPE_CHECKING:
+    from infer.loader import CheckpointTensor
 
 # transformers-5 state dicts store each MoE layer's experts as two 3-D tensors.
 _FUSED_EXPERTS_KEY = re.compile(r"^(model\.layers\.\d+\.mlp\.experts)\.(gate_up_proj|down_proj)$")
@@ -54,12 +65,24 @@ def is_moe_layer(config: PretrainedConfig, layer_idx: int) -> bool:
     )
 
 
+def tp_split_fields(config: PretrainedConfig) -> dict[str, int]:
+    """The sizes tensor parallelism splits evenly (routed experts are dealt out and need not split)."""
+    fields = {"vocab_size": config.vocab_size, "num_attention_heads": config.num_attention_heads}
+    if not all(is_moe_layer(config, i) for i in range(config.num_hidden_layers)):
+        fields["intermediate_size"] = config.intermediate_size
+    if getattr(config, "n_shared_experts", None) and any(is_moe_layer(config, i) for i in range(config.num_hidden_layers)):
+        fields["moe_intermediate_size * n_shared_experts"] = config.moe_intermediate_size * config.n_shared_experts
+    return fields
+
+
 class DeepseekV2Attention(nn.Module):
     """MLA. Projections as in the checkpoint; attention itself in the absorbed (latent-space) form."""
 
-    def __init__(self, config: PretrainedConfig) -> None:
+    def __init__(self, config: PretrainedConfig, tp: TPGroup) -> None:
         super().__init__()
-        self.num_heads = config.num_attention_heads
+        heads = config.num_attention_heads
+        lo, hi = tp.span(heads, "num_attention_heads")
+        self.num_heads = hi - lo  # this rank's
         self.q_lora_rank = config.q_lora_rank
         self.kv_lora_rank = config.kv_lora_rank
         self.qk_nope_head_dim = config.qk_nope_head_dim
@@ -68,18 +91,19 @@ class DeepseekV2Attention(nn.Module):
         self.scale = softmax_scale(config)
         hidden, bias = config.hidden_size, config.attention_bias
         qk_head_dim = self.qk_nope_head_dim + self.qk_rope_head_dim
+        kv_head_dim = self.qk_nope_head_dim + self.v_head_dim
         if self.q_lora_rank is None:
-            self.q_proj = nn.Linear(hidden, self.num_heads * qk_head_dim, bias=False)
+            self.q_proj = column_linear(hidden, heads * qk_head_dim, [(lo * qk_head_dim, hi * qk_head_dim)], False, tp)
         else:
             self.q_a_proj = nn.Linear(hidden, self.q_lora_rank, bias=bias)
             self.q_a_layernorm = RMSNorm(self.q_lora_rank)  # default eps, as in the reference
-            self.q_b_proj = nn.Linear(self.q_lora_rank, self.num_heads * qk_head_dim, bias=False)
+            self.q_b_proj = column_linear(self.q_lora_rank, heads * qk_head_dim,
+                                          [(lo * qk_head_dim, hi * qk_head_dim)], False, tp)
         self.kv_a_proj_with_mqa = nn.Linear(hidden, self.kv_lora_rank + self.qk_rope_head_dim, bias=bias)
         self.kv_a_layernorm = RMSNorm(self.kv_lora_rank)
-        self.kv_b_proj = nn.Linear(
-            self.kv_lora_rank, self.num_heads * (self.qk_nope_head_dim + self.v_head_dim), bias=False
-        )
-        self.o_proj = nn.Linear(self.num_heads * self.v_head_dim, hidden, bias=bias)
+        self.kv_b_proj = column_linear(self.kv_lora_rank, heads * kv_head_dim, [(lo * kv_head_dim, hi * kv_head_dim)],
+                                       False, tp)
+        self.o_proj = row_linear(heads * self.v_head_dim, hidden, (lo * self.v_head_dim, hi * self.v_head_dim), bias, tp)
 
     def forward(
         self,
@@ -112,13 +136,19 @@ class DeepseekV2Attention(nn.Module):
 
 
 class DeepseekV2MLP(nn.Module):
-    """Gated MLP: the dense layers, each routed expert and the shared experts."""
+    """Gated MLP: the dense layers, each routed expert and the shared experts.
 
-    def __init__(self, hidden_size: int, intermediate_size: int, hidden_act: str, bias: bool = False) -> None:
+    tp splits the intermediate features (dense layers, shared experts); routed experts are whole (the default).
+    reduce=False leaves the sum over ranks to the caller (the MoE block reduces once).
+    """
+
+    def __init__(self, hidden_size: int, intermediate_size: int, hidden_act: str, bias: bool = False,
+                 tp: TPGroup = TPGroup(), reduce: bool = True) -> None:
         super().__init__()
-        self.gate_proj = nn.Linear(hidden_size, intermediate_size, bias=bias)
-        self.up_proj = nn.Linear(hidden_size, intermediate_size, bias=bias)
-        self.down_proj = nn.Linear(intermediate_size, hidden_size, bias=bias)
+        lo, hi = tp.span(intermediate_size, "intermediate_size")
+        self.gate_proj = column_linear(hidden_size, intermediate_size, [(lo, hi)], bias, tp)
+        self.up_proj = column_linear(hidden_size, intermediate_size, [(lo, hi)], bias, tp)
+        self.down_proj = row_linear(intermediate_size, hidden_size, (lo, hi), bias, tp, reduce)
         self.act_fn = ACT2FN[hidden_act]
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
@@ -162,16 +192,24 @@ class DeepseekV2Gate(nn.Module):
 
 
 class DeepseekV2MoE(nn.Module):
-    """Routed experts (each token to its top-k) plus always-on shared experts."""
+    """Routed experts (each token to its top-k) plus always-on shared experts.
 
-    def __init__(self, config: PretrainedConfig) -> None:
+    `experts` holds this rank's experts under their checkpoint indices; `tp_foreign_params` names the others',
+    which the loader skips.
+    """
+
+    def __init__(self, config: PretrainedConfig, tp: TPGroup) -> None:
         super().__init__()
+        self.tp = tp
         self.top_k = config.num_experts_per_tok
+        self.num_experts = config.n_routed_experts
         self.gate = DeepseekV2Gate(config)
-        self.experts = nn.ModuleList(
-            DeepseekV2MLP(config.hidden_size, config.moe_intermediate_size, config.hidden_act)
-            for _ in range(config.n_routed_experts)
+        owned = range(tp.rank, self.num_experts, tp.size)
+        self.experts = nn.ModuleDict(
+            {str(e): DeepseekV2MLP(config.hidden_size, config.moe_intermediate_size, config.hidden_act) for e in owned}
         )
+        self.tp_foreign_params = [f"experts.{e}.{proj}.weight" for e in range(self.num_experts) if e not in owned
+                                  for proj in ("gate_proj", "up_proj", "down_proj")]
         n_shared = getattr(config, "n_shared_experts", None) or 0
         self.shared_experts = (
             DeepseekV2MLP(
@@ -179,42 +217,46 @@ class DeepseekV2MoE(nn.Module):
                 config.moe_intermediate_size * n_shared,
                 config.hidden_act,
                 getattr(config, "mlp_bias", False),
+                tp,
+                reduce=False,
             )
             if n_shared
             else None
         )
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        """x [T, hidden]: tokens are grouped by expert with one sort, then each hit expert runs once."""
+        """x [T, hidden]: tokens are grouped by expert with one sort, then each hit expert of this rank runs once."""
         expert_ids, weights = self.gate(x)  # [T, K]
         flat_ids = expert_ids.flatten()  # [T*K], entry i is token i // K
         order = flat_ids.argsort(stable=True)
         token_of_slot = order // self.top_k  # [T*K] tokens grouped by expert
         weight_of_slot = weights.flatten()[order, None]  # [T*K, 1] fp32
-        counts = torch.bincount(flat_ids, minlength=len(self.experts)).tolist()  # one host sync per layer
+        counts = torch.bincount(flat_ids, minlength=self.num_experts).tolist()  # one host sync per layer
+        ends = list(itertools.accumulate(counts))
         out = torch.zeros_like(x)
-        start = 0
-        for expert, count in zip(self.experts, counts):
+        for key, expert in self.experts.items():
+            end, count = ends[int(key)], counts[int(key)]
             if count == 0:
                 continue
-            tokens = token_of_slot[start : start + count]
-            y = expert(x[tokens]) * weight_of_slot[start : start + count]
+            tokens = token_of_slot[end - count : end]
+            y = expert(x[tokens]) * weight_of_slot[end - count : end]
             out.index_add_(0, tokens, y.to(out.dtype))
-            start += count
         if self.shared_experts is not None:
-            out = out + self.shared_experts(x)
-        return out
+            out = out + self.shared_experts(x)  # this rank's part of the shared experts' output
+        return self.tp.all_reduce(out)
 
 
 class DeepseekV2DecoderLayer(nn.Module):
-    def __init__(self, config: PretrainedConfig, layer_idx: int) -> None:
+    def __init__(self, config: PretrainedConfig, layer_idx: int, tp: TPGroup | None = None) -> None:
+        """tp: the group to shard over; by default the current one (so an MTP head's layer shards like its target)."""
         super().__init__()
-        self.self_attn = DeepseekV2Attention(config)
+        tp = tp or current()
+        self.self_attn = DeepseekV2Attention(config, tp)
         if is_moe_layer(config, layer_idx):
-            self.mlp: nn.Module = DeepseekV2MoE(config)
+            self.mlp: nn.Module = DeepseekV2MoE(config, tp)
         else:
             self.mlp = DeepseekV2MLP(
-                config.hidden_size, config.intermediate_size, config.hidden_act, getattr(config, "mlp_bias", False)
+                config.hidden_size, config.intermediate_size, config.hidden_act, getattr(config, "mlp_bias", False), tp
             )
         self.input_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
         self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
@@ -232,25 +274,27 @@ class DeepseekV2DecoderLayer(nn.Module):
 
 
 class DeepseekV2Model(nn.Module):
-    def __init__(self, config: PretrainedConfig) -> None:
+    def __init__(self, config: PretrainedConfig, tp: TPGroup) -> None:
         super().__init__()
-        self.embed_tokens = nn.Embedding(config.vocab_size, config.hidden_size)
-        self.layers = nn.ModuleList(DeepseekV2DecoderLayer(config, i) for i in range(config.num_hidden_layers))
+        self.embed_tokens = vocab_embedding(config.vocab_size, config.hidden_size, tp)
+        self.layers = nn.ModuleList(DeepseekV2DecoderLayer(config, i, tp) for i in range(config.num_hidden_layers))
         self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps)
         self.rotary_emb = RotaryEmbedding(config, config.qk_rope_head_dim)
 
 
 class DeepseekV2ForCausalLM(nn.Module):
-    def __init__(self, config: PretrainedConfig) -> None:
+    def __init__(self, config: PretrainedConfig, tp: TPGroup | None = None) -> None:
         super().__init__()
         self.config = config
-        self.model = DeepseekV2Model(config)
-        self.lm_head = nn.Linear(config.hidden_size, config.vocab_size, bias=False)
+        self.tp = tp or current()
+        check_split(self.tp, tp_split_fields(config))
+        self.model = DeepseekV2Model(config, self.tp)
+        self.lm_head = lm_head_linear(config.hidden_size, config.vocab_size, self.tp)
         if config.tie_word_embeddings:
             self.lm_head.weight = self.model.embed_tokens.weight
 
     @staticmethod
-    def checkpoint_renames(key: str, tensor: torch.Tensor, config: PretrainedConfig) -> list[tuple[str, torch.Tensor]]:
+    def checkpoint_renames(key: str, tensor: CheckpointTensor, config: PretrainedConfig) -> list[tuple]:
         """Split transformers-5's fused experts into the hub's per-expert tensors; other keys pass through.
 
         gate_up_proj [E, 2I, H] -> experts.e.gate_proj.weight [I, H] (first half) and up_proj (second half);
@@ -313,7 +357,7 @@ class DeepseekV2ForCausalLM(nn.Module):
         """Head layout an attention backend plans with: one latent 'KV head' of width kv_lora_rank + rope dim."""
         rank, rope_dim = self.config.kv_lora_rank, self.config.qk_rope_head_dim
         return dict(
-            num_heads=self.config.num_attention_heads,
+            num_heads=self.model.layers[0].self_attn.num_heads,  # this rank's
             num_kv_heads=1,
             head_dim=rank + rope_dim,
             mla_dims=(rank, rope_dim),

@@ -4,6 +4,10 @@ Module names mirror the Hugging Face checkpoint keys, except that q/k/v and gate
 fused (`qkv_proj`, `gate_up_proj`: one matmul instead of three and two, as vLLM and SGLang do);
 `checkpoint_renames` maps the checkpoint's tensors onto their rows. The forward runs one packed batch of
 variable-length sequences (no padding) against the paged KV cache.
+
+Under tensor parallelism (`tp`, infer.parallel) a rank holds its heads' rows of qkv_proj (KV heads split, or
+replicated when there are fewer than ranks), their columns of o_proj, its slice of the MLP and of the
+vocabulary; a fused parameter's shard is the concatenation of its parts' shards.
 """
 
 from __future__ import annotations
@@ -19,10 +23,16 @@ from infer.attention import AttentionBackend
 from infer.models.common import (
     ModelOutput, RMSNorm, RotaryEmbedding, apply_rope_half, final_logits, half_split_cos_sin, run_decoder_layers,
 )
+from infer.parallel import (
+    TPGroup, check_split, column_linear, current, head_spans, lm_head_linear, row_linear, vocab_embedding,
+)
 
 
 def fused_rows(key: str, tensor: torch.Tensor, config: LlamaConfig) -> tuple:
-    """A checkpoint tensor -> (parameter, tensor) or, for q/k/v and gate/up, (fused parameter, tensor, first row, rows)."""
+    """A checkpoint tensor -> (parameter, tensor) or, for q/k/v and gate/up, (fused parameter, tensor, first row, rows).
+
+    The tensor passes through untouched (the loader's not-yet-read CheckpointTensor, or a torch.Tensor).
+    """
     head_dim = getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
     q_rows, kv_rows = config.num_attention_heads * head_dim, config.num_key_value_heads * head_dim
     inter = config.intermediate_size
@@ -39,16 +49,19 @@ def fused_rows(key: str, tensor: torch.Tensor, config: LlamaConfig) -> tuple:
 
 
 class LlamaAttention(nn.Module):
-    def __init__(self, config: LlamaConfig) -> None:
+    def __init__(self, config: LlamaConfig, tp: TPGroup) -> None:
         super().__init__()
-        self.num_heads = config.num_attention_heads
-        self.num_kv_heads = config.num_key_value_heads
-        self.head_dim = getattr(config, "head_dim", None) or config.hidden_size // self.num_heads
+        heads, kv_heads = config.num_attention_heads, config.num_key_value_heads
+        self.head_dim = d = getattr(config, "head_dim", None) or config.hidden_size // heads
         self.scale = self.head_dim**-0.5
+        (q_lo, q_hi), (kv_lo, kv_hi) = head_spans(heads, kv_heads, tp)
+        self.num_heads, self.num_kv_heads = q_hi - q_lo, kv_hi - kv_lo  # this rank's
         bias = config.attention_bias
-        qkv_rows = (self.num_heads + 2 * self.num_kv_heads) * self.head_dim
-        self.qkv_proj = nn.Linear(config.hidden_size, qkv_rows, bias=bias)
-        self.o_proj = nn.Linear(self.num_heads * self.head_dim, config.hidden_size, bias=bias)
+        q_rows, kv_rows = heads * d, kv_heads * d
+        keep = [(q_lo * d, q_hi * d), (q_rows + kv_lo * d, q_rows + kv_hi * d),
+                (q_rows + kv_rows + kv_lo * d, q_rows + kv_rows + kv_hi * d)]  # rows of q, k and v (fused_rows' order)
+        self.qkv_proj = column_linear(config.hidden_size, q_rows + 2 * kv_rows, keep, bias, tp)
+        self.o_proj = row_linear(q_rows, config.hidden_size, (q_lo * d, q_hi * d), bias, tp)
 
     def forward(
         self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, attn: AttentionBackend, kv_cache: torch.Tensor
@@ -62,10 +75,12 @@ class LlamaAttention(nn.Module):
 
 
 class LlamaMLP(nn.Module):
-    def __init__(self, hidden_size: int, intermediate_size: int, bias: bool = False) -> None:
+    def __init__(self, hidden_size: int, intermediate_size: int, bias: bool, tp: TPGroup) -> None:
         super().__init__()
-        self.gate_up_proj = nn.Linear(hidden_size, 2 * intermediate_size, bias=bias)
-        self.down_proj = nn.Linear(intermediate_size, hidden_size, bias=bias)
+        lo, hi = tp.span(intermediate_size, "intermediate_size")
+        keep = [(lo, hi), (intermediate_size + lo, intermediate_size + hi)]  # rows of gate and of up
+        self.gate_up_proj = column_linear(hidden_size, 2 * intermediate_size, keep, bias, tp)
+        self.down_proj = row_linear(intermediate_size, hidden_size, (lo, hi), bias, tp)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         gate, up = self.gate_up_proj(x).chunk(2, dim=-1)
@@ -73,10 +88,12 @@ class LlamaMLP(nn.Module):
 
 
 class LlamaDecoderLayer(nn.Module):
-    def __init__(self, config: LlamaConfig) -> None:
+    def __init__(self, config: LlamaConfig, tp: TPGroup | None = None) -> None:
+        """tp: the group to shard over; by default the current one (so an MTP head's layer shards like its target)."""
         super().__init__()
-        self.self_attn = LlamaAttention(config)
-        self.mlp = LlamaMLP(config.hidden_size, config.intermediate_size, getattr(config, "mlp_bias", False))
+        tp = tp or current()
+        self.self_attn = LlamaAttention(config, tp)
+        self.mlp = LlamaMLP(config.hidden_size, config.intermediate_size, getattr(config, "mlp_bias", False), tp)
         self.input_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
         self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
 
@@ -88,21 +105,24 @@ class LlamaDecoderLayer(nn.Module):
 
 
 class LlamaModel(nn.Module):
-    def __init__(self, config: LlamaConfig) -> None:
+    def __init__(self, config: LlamaConfig, tp: TPGroup) -> None:
         super().__init__()
-        self.embed_tokens = nn.Embedding(config.vocab_size, config.hidden_size)
-        self.layers = nn.ModuleList(LlamaDecoderLayer(config) for _ in range(config.num_hidden_layers))
+        self.embed_tokens = vocab_embedding(config.vocab_size, config.hidden_size, tp)
+        self.layers = nn.ModuleList(LlamaDecoderLayer(config, tp) for _ in range(config.num_hidden_layers))
         self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps)
         head_dim = getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
         self.rotary_emb = RotaryEmbedding(config, head_dim)
 
 
 class LlamaForCausalLM(nn.Module):
-    def __init__(self, config: LlamaConfig) -> None:
+    def __init__(self, config: LlamaConfig, tp: TPGroup | None = None) -> None:
         super().__init__()
         self.config = config
-        self.model = LlamaModel(config)
-        self.lm_head = nn.Linear(config.hidden_size, config.vocab_size, bias=False)
+        self.tp = tp or current()
+        check_split(self.tp, {"vocab_size": config.vocab_size, "num_attention_heads": config.num_attention_heads,
+                              "intermediate_size": config.intermediate_size}, config.num_key_value_heads)
+        self.model = LlamaModel(config, self.tp)
+        self.lm_head = lm_head_linear(config.hidden_size, config.vocab_size, self.tp)
         if config.tie_word_embeddings:
             self.lm_head.weight = self.model.embed_tokens.weight
 

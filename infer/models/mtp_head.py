@@ -37,6 +37,7 @@ from infer.attention import AttentionBackend
 from infer.models.common import ModelOutput, RMSNorm, RotaryEmbedding, final_logits, half_split_cos_sin
 from infer.models.deepseek_v2 import DeepseekV2DecoderLayer
 from infer.models.llama import LlamaDecoderLayer
+from infer.parallel import whole_weight
 
 HEAD_FORMAT_VERSION = 1
 ARCHITECTURES = ("mtp", "eagle1")
@@ -111,10 +112,11 @@ class MTPHead(nn.Module):
 
     def attach(self, shared: SharedTargetWeights) -> "MTPHead":
         """Point the head at the target's embedding and lm_head (in place, no copy)."""
-        if shared.embed_tokens.weight.shape != (self.config.vocab_size, self.config.hidden_size):
+        embed = shared.embed_tokens  # the whole table's size, also when tensor parallelism splits its rows
+        if (embed.num_embeddings, embed.embedding_dim) != (self.config.vocab_size, self.config.hidden_size):
             raise HeadLoadError(
                 f"head expects a target with vocab {self.config.vocab_size} and hidden size {self.config.hidden_size}, "
-                f"the target has {tuple(shared.embed_tokens.weight.shape)}"
+                f"the target has {(embed.num_embeddings, embed.embedding_dim)}"
             )
         self.shared = shared
         return self
@@ -194,7 +196,8 @@ _DIGESTS: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
 
 def target_digest(target: nn.Module) -> str:
     if target not in _DIGESTS:
-        _DIGESTS[target] = shared_tensors_sha256(target.model.embed_tokens.weight, target.lm_head.weight)
+        # whole_weight: under tensor parallelism the ranks gather the vocabulary shards first
+        _DIGESTS[target] = shared_tensors_sha256(whole_weight(target.model.embed_tokens), whole_weight(target.lm_head))
     return _DIGESTS[target]
 
 

@@ -1,0 +1,289 @@
+"""Tensor parallelism on CPU: two gloo processes (infer.parallel.spawn) against one process.
+
+One two-rank session runs every scenario in turn (spawning costs seconds on these machines): paged forwards
+of stories260K, tiny Llama-3s (GQA; one KV head, fewer than the ranks) and tiny DeepSeek-V2s (MLA with and
+without q_lora_rank, MoE), then generation through the Engine plainly, with an MTP head and with a draft LM,
+and last a failure injected on rank 1. The tests compare what rank 0 recorded with the same work done here in
+one process: logits within 1e-5 of the logit range, greedy tokens identical.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+from transformers import DeepseekV2ForCausalLM as HFDeepseekV2
+from transformers import LlamaConfig
+from transformers import LlamaForCausalLM as HFLlama
+
+from infer.cli import run_cli
+from infer.engine import Engine, EngineConfig
+from infer.generate import main as generate_main
+from infer.kv_cache import PagePool, PageTable, build_page_metadata
+from infer.loader import CheckpointTensor, load_model
+from infer.model_runner import ModelRunner
+from infer.models.deepseek_v2 import DeepseekV2ForCausalLM
+from infer.models.llama import LlamaForCausalLM
+from infer.models.mtp_head import init_head_from_target, load_head, save_head
+from infer.parallel import (
+    RemoteRankError, ShardingError, TPGroup, fail, init_tp, parameter_bytes, serve_forever, spawn, stop_workers,
+)
+from infer.sampling_params import SamplingParams
+from tests.test_deepseek_v2 import CONFIGS as DEEPSEEK_CONFIGS
+from tests.test_deepseek_v2 import tiny_config as tiny_deepseek_config
+from tests.test_llama import tiny_llama3_config
+
+pytestmark = pytest.mark.usefixtures("one_torch_thread")
+
+REL_TOL = 1e-5
+STORY_END = 1  # stories260K ends a story with BOS
+PROMPTS = [[1, 400, 301, 280], [1, 65, 300], [1, 259, 270, 290, 310, 330]]
+# Parameters every rank holds whole; all others are split evenly at tp=2 in the configs the byte test checks.
+REPLICATED = ("norm", "o_proj.bias", "down_proj.bias", "q_a_proj", "kv_a_proj_with_mqa", "mlp.gate.weight")
+
+
+class InjectedFailure(ValueError):
+    pass
+
+
+def paged_logits(runner: ModelRunner, vocab: int, seed: int = 0) -> torch.Tensor:
+    """Two sequences over 4-token pages: a packed prefill (7 and 3 tokens), a 3-token chunk beside a decode,
+    then three decode steps; every step through ModelRunner.run. Returns all logits, [T, vocab]."""
+    gen = torch.Generator().manual_seed(seed)
+    seqs = [torch.randint(0, vocab, (13,), generator=gen), torch.randint(0, vocab, (7,), generator=gen)]
+    q_lens = [(7, 3), (3, 1), (1, 1), (1, 1), (1, 1)]
+    pool = PagePool(64, 4)
+    tables, offsets, logits = [PageTable(pool), PageTable(pool)], [0, 0], []
+    for lens in q_lens:
+        for table, n in zip(tables, lens):
+            table.extend(table.num_tokens + n)
+        meta = build_page_metadata([t.pages for t in tables], list(lens), [t.num_tokens for t in tables], 4,
+                                   torch.device("cpu"))
+        ids = torch.cat([seq[off : off + n] for seq, off, n in zip(seqs, offsets, lens)])
+        logits.append(runner.run(ids, meta).logits)
+        offsets = [off + n for off, n in zip(offsets, lens)]
+    return torch.cat(logits)
+
+
+def make_engine(model: torch.nn.Module) -> Engine:
+    return Engine(model, None, [], EngineConfig(page_size=4, num_pages=256, max_num_seqs=4, backend="torch"))
+
+
+def greedy() -> SamplingParams:
+    return SamplingParams(max_new_tokens=20, stop_token_ids=(STORY_END,))
+
+
+def generate(engine: Engine, kind: str, record: dict) -> None:
+    requests = engine.generate(PROMPTS, greedy())
+    record[f"{kind}/tokens"] = [r.output_ids for r in requests]
+    if engine.spec_stats is not None:
+        record[f"{kind}/verify_steps"] = engine.spec_stats.verify_steps
+        record[f"{kind}/tau"] = engine.spec_stats.tau
+
+
+def rank_session(folders: dict[str, str], stories: str, head_dir: str, out: str) -> None:
+    """One rank of the two-rank session: every rank builds the same models and runners in the same order;
+    rank 0 runs the steps (and records them), rank 1 serves them."""
+    torch.set_num_threads(1)
+    tp = init_tp(2)
+    record: dict = {}
+    read_bytes = [0]
+    read = CheckpointTensor.read
+
+    def counting_read(self: CheckpointTensor) -> torch.Tensor:  # what this rank reads from safetensors
+        tensor = read(self)
+        read_bytes[0] += tensor.numel() * tensor.element_size()
+        return tensor
+
+    CheckpointTensor.read = counting_read
+    models = {}
+    for name, folder in {"stories": stories, **folders}.items():
+        read_bytes[0] = 0
+        models[name] = model = load_model(folder)
+        record[f"{name}/param_bytes"], record[f"{name}/read_bytes"] = parameter_bytes(model), read_bytes[0]
+        runner = ModelRunner(model, 64, 4, "torch")
+        if tp.rank == 0:
+            record[f"{name}/logits"] = paged_logits(runner, model.config.vocab_size)
+            stop_workers()
+        else:
+            serve_forever()
+
+    target = models["stories"]
+    for kind in ("plain", "mtp", "draft"):
+        engine = make_engine(target)
+        if kind == "mtp":  # every rank holds its shard of the head's layer
+            head = init_head_from_target(target, "stories260K")
+            engine.num_draft_tokens = 2
+            engine.attach_drafter("mtp", head)
+            loaded = load_head(head_dir, target)  # a saved whole head, cut to this rank's shard
+            record["mtp/load_head_equal"] = head.state_dict().keys() == loaded.state_dict().keys() and all(
+                torch.equal(a, b) for a, b in zip(head.state_dict().values(), loaded.state_dict().values()))
+        if kind == "draft" and tp.rank == 0:  # a whole draft LM on rank 0 only
+            draft = load_model(stories, tp=TPGroup())
+            record["draft/param_bytes"] = parameter_bytes(draft)
+            engine.num_draft_tokens = 3
+            engine.attach_drafter("draft", draft)
+        if tp.rank == 0:
+            generate(engine, kind, record)
+            stop_workers()
+        else:
+            serve_forever()
+
+    engine = make_engine(target)
+    if tp.rank == 1:  # rank 1 fails in its second step, in the middle of the forward
+        mlp, calls = target.model.layers[2].mlp, []
+
+        def failing(x: torch.Tensor) -> torch.Tensor:
+            calls.append(1)
+            if len(calls) > 1:
+                raise InjectedFailure("injected failure in layer 2's MLP")
+            return type(mlp).forward(mlp, x)
+
+        mlp.forward = failing
+    try:
+        if tp.rank == 0:
+            engine.generate(PROMPTS, greedy())
+        else:
+            serve_forever()
+    except (RemoteRankError, InjectedFailure) as err:
+        record["error"] = f"{type(err).__name__}: {err}"
+        fail(err)
+    torch.save(record, Path(out) / f"rank{tp.rank}.pt")
+
+
+@pytest.fixture(scope="module")
+def folders(tmp_path_factory) -> dict[str, Path]:
+    """Random tiny models saved by transformers: Llama-3 with 2 KV heads and with 1, DeepSeek-V2 lite and v2."""
+    torch.manual_seed(0)
+    out = {}
+    for name, reference in {
+        "llama3_gqa": HFLlama(tiny_llama3_config()),
+        "llama3_one_kv_head": HFLlama(tiny_llama3_config(num_key_value_heads=1)),
+        "deepseek_lite": HFDeepseekV2(tiny_deepseek_config(**DEEPSEEK_CONFIGS["lite"])),
+        "deepseek_v2": HFDeepseekV2(tiny_deepseek_config(**DEEPSEEK_CONFIGS["v2"])),
+    }.items():
+        with torch.no_grad():
+            for pname, param in reference.named_parameters():
+                if pname.endswith("bias") or "norm" in pname:  # transformers initialises these to 0 / 1
+                    param.add_(torch.randn_like(param) * 0.1)
+        out[name] = tmp_path_factory.mktemp(name)
+        reference.save_pretrained(out[name])
+    return out
+
+
+@pytest.fixture(scope="module")
+def session(folders, stories_hf_dir, stories_model, tmp_path_factory) -> tuple[dict, dict]:
+    """(rank 0's record, rank 1's record) of the two-rank session."""
+    head_dir = save_head(init_head_from_target(stories_model, "stories260K"), tmp_path_factory.mktemp("h") / "head")
+    out = tmp_path_factory.mktemp("tp_session")
+    spawn(rank_session, 2, {k: str(v) for k, v in folders.items()}, str(stories_hf_dir), str(head_dir), str(out),
+          timeout_s=240)
+    return torch.load(out / "rank0.pt"), torch.load(out / "rank1.pt")
+
+
+@pytest.mark.parametrize("name", ["stories", "llama3_gqa", "llama3_one_kv_head", "deepseek_lite", "deepseek_v2"])
+def test_two_ranks_give_the_logits_of_one(session, folders, stories_hf_dir, name):
+    model = load_model(stories_hf_dir if name == "stories" else folders[name])
+    reference = paged_logits(ModelRunner(model, 64, 4, "torch"), model.config.vocab_size)
+    ours = session[0][f"{name}/logits"]
+    assert ours.shape == reference.shape
+    rel = ((ours - reference).abs().max() / (reference.max() - reference.min())).item()
+    assert rel <= REL_TOL, f"max |diff| is {rel:.1e} of the logit range"
+    assert torch.equal(ours.argmax(-1), reference.argmax(-1))
+
+
+@pytest.mark.parametrize("name", ["stories", "llama3_gqa", "deepseek_lite", "deepseek_v2"])
+def test_each_rank_holds_and_reads_half_plus_the_replicated_parts(session, folders, stories_hf_dir, name):
+    model = load_model(stories_hf_dir if name == "stories" else folders[name])
+    whole = parameter_bytes(model)
+    replicated = sum(p.numel() * p.element_size() for n, p in model.named_parameters()
+                     if any(part in n for part in REPLICATED))
+    assert 0 < replicated < whole / 4
+    for record in session:
+        assert record[f"{name}/param_bytes"] == (whole - replicated) // 2 + replicated
+        assert record[f"{name}/read_bytes"] == record[f"{name}/param_bytes"]  # never a tensor it does not keep
+
+
+def test_one_kv_head_is_replicated_on_both_ranks(session, folders):
+    """num_key_value_heads=1 < tp=2: each rank keeps the one KV head, so it holds more than half."""
+    whole = parameter_bytes(load_model(folders["llama3_one_kv_head"]))
+    assert session[0]["llama3_one_kv_head/param_bytes"] == session[1]["llama3_one_kv_head/param_bytes"]
+    assert whole / 2 < session[0]["llama3_one_kv_head/param_bytes"] < 0.6 * whole
+
+
+@pytest.mark.parametrize("kind", ["plain", "mtp", "draft"])
+def test_engine_generates_the_tokens_of_one_rank(session, stories_model, kind):
+    engine = make_engine(stories_model)
+    if kind == "mtp":
+        engine.num_draft_tokens = 2
+        engine.attach_drafter("mtp", init_head_from_target(stories_model, "stories260K"))
+    if kind == "draft":
+        engine.num_draft_tokens = 3
+        engine.attach_drafter("draft", stories_model)
+    record: dict = {}
+    generate(engine, kind, record)
+    assert session[0][f"{kind}/tokens"] == record[f"{kind}/tokens"]
+    assert all(len(tokens) == 20 for tokens in record[f"{kind}/tokens"])  # long enough to mean something
+    if kind != "plain":
+        assert session[0][f"{kind}/verify_steps"] > 0
+        assert session[0][f"{kind}/tau"] == pytest.approx(record[f"{kind}/tau"])
+    if kind == "mtp":
+        assert session[0]["mtp/load_head_equal"] and session[1]["mtp/load_head_equal"]
+    if kind == "draft":  # the draft LM is whole, on rank 0
+        assert session[0]["draft/param_bytes"] == parameter_bytes(stories_model)
+        assert session[0]["draft/tau"] > 3
+
+
+def test_an_error_on_one_rank_reaches_the_other(session):
+    rank0, rank1 = session
+    assert rank1["error"] == "InjectedFailure: injected failure in layer 2's MLP"
+    assert rank0["error"] == "RemoteRankError: rank 1: InjectedFailure: injected failure in layer 2's MLP"
+
+
+def test_generate_cli_under_torchrun_matches_one_process(stories_hf_dir, capfd):
+    """`torchrun --nproc_per_node 2 -m infer.generate --tp 2`, with a draft LM (rank 0 only), prints what one
+    process prints; rank 1 prints nothing."""
+    argv = ["--model", str(stories_hf_dir), "--prompt", "Once upon a time", "--max-new-tokens", "24", "--json",
+            "--spec", "draft", "--draft", str(stories_hf_dir), "--num-draft-tokens", "3", "--device", "cpu"]
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": str(Path(__file__).resolve().parents[1])}
+    done = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", "2",
+                           "-m", "infer.generate", "--tp", "2", *argv], env=env, capture_output=True, text=True,
+                          timeout=120)
+    assert done.returncode == 0, done.stderr[-2000:]
+    (two_ranks,) = [json.loads(line) for line in done.stdout.splitlines() if line.strip()]
+    capfd.readouterr()
+    assert run_cli(lambda: generate_main(argv)) == 0
+    (one_rank,) = [json.loads(line) for line in capfd.readouterr().out.splitlines() if line.strip()]
+    assert two_ranks["token_ids"] == one_rank["token_ids"] and len(one_rank["token_ids"]) == 24
+    assert two_ranks["spec"]["tau"] == one_rank["spec"]["tau"] > 3
+
+
+# --- without processes -----------------------------------------------------------------------------------------
+
+
+def test_shapes_that_do_not_split_name_the_field_and_the_choices():
+    stories_like = LlamaConfig(vocab_size=512, hidden_size=64, intermediate_size=172, num_hidden_layers=1,
+                               num_attention_heads=8, num_key_value_heads=4)
+    with torch.device("meta"):
+        with pytest.raises(ShardingError, match=r"^vocab_size=512 does not split over tp=3 ranks: choose tp in \[1, 2, 4\]$"):
+            LlamaForCausalLM(stories_like, TPGroup(rank=0, size=3))
+        with pytest.raises(ShardingError, match=r"^intermediate_size=172 .* tp=8 ranks: choose tp in \[1, 2, 4\]$"):
+            LlamaForCausalLM(stories_like, TPGroup(rank=0, size=8))
+        six_heads = tiny_llama3_config(vocab_size=96, hidden_size=96, num_attention_heads=6, num_key_value_heads=3)
+        with pytest.raises(ShardingError, match=r"^num_key_value_heads=3 .* tp=2 ranks: choose tp in \[1, 3, 6\]$"):
+            LlamaForCausalLM(six_heads, TPGroup(rank=0, size=2))  # ranks may replicate them, 2 cannot split them
+        with pytest.raises(ShardingError, match=r"num_attention_heads=4 .* tp=8 .*choose tp in \[1, 2, 4\]"):
+            DeepseekV2ForCausalLM(tiny_deepseek_config(), TPGroup(rank=0, size=8))
+        model = LlamaForCausalLM(tiny_llama3_config(num_attention_heads=8, num_key_value_heads=2), TPGroup(3, 4))
+    assert model.attention_dims() == dict(num_heads=2, num_kv_heads=1, head_dim=16, mla_dims=None)  # KV replicated
+
+
+def test_tp_needs_as_many_processes(monkeypatch):
+    monkeypatch.delenv("WORLD_SIZE", raising=False)
+    with pytest.raises(ShardingError, match=r"--tp 2 needs 2 processes: .*torchrun --nproc_per_node 2"):
+        init_tp(2)
