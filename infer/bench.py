@@ -22,11 +22,11 @@ from pathlib import Path
 import torch
 
 from infer.cli import CliError, add_engine_args, engine_kwargs, run_cli
-from infer.engine import Engine
+from infer.engine import Engine, ForwardCosts
 from infer.loader import DTYPES
 from infer.prompts import DEFAULT_PROMPTS, read_prompt_file
 from infer.sampling_params import SamplingParams
-from infer.speedup import COST_CONTEXT, compare, ideal_speedup, timed_generate
+from infer.speedup import COST_CONTEXT, StepOverhead, compare, ideal_speedup, recommend_k, timed_generate
 
 
 def parse_ints(text: str, flag: str) -> list[int]:
@@ -117,6 +117,7 @@ def bench_spec(args, prompts: list[str]) -> list[dict]:
                     "plain_tok_s": round(result.plain.tok_s, 1), "spec_tok_s": round(result.spec.tok_s, 1),
                     "speedup": round(result.speedup, 3), "tau": tau,
                     "acceptance_per_position": result.stats["acceptance_per_position"],
+                    "conditional_acceptance": result.stats["conditional_acceptance"],
                     "ideal_speedup": round(ideal, 3), "achieved_over_ideal": round(result.speedup / ideal, 3),
                     "t_decode_ms": round(costs.decode * 1e3, 3), "t_draft_ms": round(costs.draft * 1e3, 3),
                     "t_verify_ms": round(costs.verify * 1e3, 3),
@@ -124,8 +125,58 @@ def bench_spec(args, prompts: list[str]) -> list[dict]:
     return rows
 
 
+def recommendations(rows: list[dict]) -> list[dict]:
+    """Per temperature and batch size: the K that infer.speedup recommends from the largest K's conditional
+    acceptance and each K's measured forward costs, against the best K of the measured sweep."""
+    out = []
+    for key in sorted({(r["temperature"], r["batch_size"]) for r in rows}):
+        sweep = {r["k"]: r for r in rows if (r["temperature"], r["batch_size"]) == key}
+        largest = sweep[max(sweep)]
+        costs = {k: ForwardCosts(r["t_decode_ms"] / 1e3, r["t_draft_ms"] / 1e3, r["t_verify_ms"] / 1e3)
+                 for k, r in sweep.items()}
+        # the step overhead of the largest K's runs: seconds per step measured minus its forwards
+        batch, k_max = key[1], max(sweep)
+        plain_step = batch / largest["plain_tok_s"]
+        spec_step = batch * largest["tau"] / largest["spec_tok_s"]
+        c = costs[k_max]
+        overhead = StepOverhead(max(plain_step - c.decode, 0.0), max(spec_step - k_max * c.draft - c.verify, 0.0))
+        rec = recommend_k([a or 0.0 for a in largest["conditional_acceptance"]], costs, overhead)
+        measured_best = max(sweep, key=lambda k: sweep[k]["spec_tok_s"])
+        predicted = rec.predicted_speedup[rec.k] * sweep[rec.k]["plain_tok_s"]
+        out.append({"temperature": key[0], "batch_size": key[1], "recommended_k": rec.k,
+                    "measured_best_k": measured_best, "predicted_tok_s": round(predicted, 1),
+                    "measured_tok_s": sweep[rec.k]["spec_tok_s"],
+                    "predicted_over_measured": round(predicted / sweep[rec.k]["spec_tok_s"], 3)})
+    return out
+
+
+def bench_arrivals(args, prompts: list[str]) -> dict:
+    """A stream of requests, one every `--arrivals` steps: the share of decode steps that speculated (the others
+    were plain because the drafter lagged or there was no room), and tokens/s against plain decoding."""
+    k, count = args.num_draft_tokens[-1], max(args.batch_sizes)
+    params = SamplingParams(max_new_tokens=args.max_new_tokens, ignore_eos=True)
+    result = {"arrive_every_steps": args.arrivals, "requests": count, "k": k}
+    for name in ("plain", "spec"):
+        engine = make_engine(args, count)
+        if name == "spec":
+            engine.num_draft_tokens = k
+            engine.load_drafter(args.spec, args.draft)
+        start, generated, tick = time.perf_counter(), [], 0
+        while len(generated) < count or engine.has_unfinished():
+            if len(generated) < count and tick % args.arrivals == 0:
+                generated.append(engine.add_request(prompts[len(generated) % len(prompts)], params))
+            if engine.has_unfinished():
+                engine.step()
+            tick += 1
+        result[f"{name}_tok_s"] = round(sum(len(r.output_ids) for r in generated) / (time.perf_counter() - start), 1)
+        if name == "spec":
+            stats = engine.spec_stats.to_dict()
+            result.update(speculated_share=stats["speculated_share"], tau=stats["tau"])
+    return result
+
+
 def print_table(rows: list[dict]) -> None:
-    keys = [k for k in rows[0] if k != "acceptance_per_position"]
+    keys = [k for k in rows[0] if k not in ("acceptance_per_position", "conditional_acceptance")]
     widths = [max(len(k), *(len(str(r[k])) for r in rows)) for k in keys]
     print("  ".join(k.rjust(w) for k, w in zip(keys, widths)))
     for row in rows:
@@ -146,6 +197,9 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--draft", type=Path, help="draft LM folder (--spec draft) or MTP head folder (--spec mtp)")
     parser.add_argument("--num-draft-tokens", default="1,2,3,4", help="comma-separated K values (default 1,2,3,4)")
     parser.add_argument("--temperatures", default="0", help="comma-separated temperatures for --spec (default 0)")
+    parser.add_argument("--arrivals", type=int, default=4,
+                        help="--spec: also run a stream of max(batch sizes) requests arriving one every N steps and "
+                             "report the share of decode steps that speculated (default 4; 0: skip)")
     add_engine_args(parser)
     args = parser.parse_args(argv)
     args.batch_sizes = parse_ints(args.batch_sizes, "--batch-sizes")
@@ -157,11 +211,21 @@ def main(argv: list[str] | None = None) -> int:
         raise CliError(f"--spec {args.spec} needs --draft DIR")
     prompts = read_prompt_file(args.prompts) if args.prompts else DEFAULT_PROMPTS
     torch.manual_seed(0)
+    if args.arrivals < 0:
+        raise CliError(f"--arrivals must be >= 0, got {args.arrivals}")
     rows = bench_spec(args, prompts) if args.spec != "none" else bench_vs_transformers(args, prompts)
     result = {"model": str(args.model), "device": args.device, "dtype": args.dtype, "threads": torch.get_num_threads(),
               "max_new_tokens": args.max_new_tokens, "spec": args.spec, "rows": rows}
+    if args.spec != "none":
+        result["recommendations"] = recommendations(rows)
+        if args.arrivals:
+            result["arrivals"] = bench_arrivals(args, prompts)
     if not args.json:
         print_table(rows)
+        if args.spec != "none":
+            print_table(result["recommendations"])
+            if args.arrivals:
+                print_table([result["arrivals"]])
     print(json.dumps(result))
     return 0
 

@@ -12,7 +12,7 @@ import torch
 
 from infer.atomic_io import OutputExistsError
 from infer.loader import DTYPES, ModelLoadError
-from infer.models.mtp_head import HeadLoadError
+from infer.models.mtp_head import HeadLoadError, read_head_config
 
 
 class CliError(ValueError):
@@ -36,18 +36,27 @@ def add_spec_args(parser: argparse.ArgumentParser) -> None:
     group.add_argument("--spec", choices=["none", "draft", "mtp"], default="none",
                        help="draft: a smaller LM folder proposes; mtp: an MTP head folder proposes (default none)")
     group.add_argument("--draft", type=Path, help="the draft LM folder (--spec draft) or head folder (--spec mtp)")
-    group.add_argument("--num-draft-tokens", type=int, default=4, help="K, tokens proposed per step (default 4)")
+    group.add_argument("--num-draft-tokens", type=int, default=None,
+                       help="K, tokens proposed per step (default: the head's recommended K for the batch, else 4)")
 
 
-def attach_spec(engine, args: argparse.Namespace) -> None:
-    """Attach the drafter the flags ask for; flag mistakes become one-line errors."""
+DEFAULT_NUM_DRAFT_TOKENS = 4
+
+
+def attach_spec(engine, args: argparse.Namespace, batch_size: int) -> None:
+    """Attach the drafter the flags ask for; flag mistakes become one-line errors. Without --num-draft-tokens, an
+    MTP head's recommended K for `batch_size` (written by `mtp_train.export --report`) is used, else 4."""
     if args.spec == "none":
         return
     if args.draft is None:
         raise CliError(f"--spec {args.spec} needs --draft DIR")
-    if not 1 <= args.num_draft_tokens <= 16:
-        raise CliError(f"--num-draft-tokens must be in 1..16, got {args.num_draft_tokens}")
-    engine.num_draft_tokens = args.num_draft_tokens
+    k = args.num_draft_tokens
+    if k is None:
+        recommended = read_head_config(args.draft).num_draft_tokens_for(batch_size) if args.spec == "mtp" else None
+        k = recommended or DEFAULT_NUM_DRAFT_TOKENS
+    if not 1 <= k <= 16:
+        raise CliError(f"--num-draft-tokens must be in 1..16, got {k}")
+    engine.num_draft_tokens = k
     engine.load_drafter(args.spec, args.draft)
 
 

@@ -177,7 +177,7 @@ class Engine:
                              f"got {self.config.draft_catch_up!r}")
         if self.config.draft_catch_up == "verified" and kind != "mtp":
             raise ValueError("draft_catch_up='verified' is the MTP head's schedule; a draft LM catches up 'accepted'")
-        drafter_cls = {"draft": DraftModel, "mtp": MTPDrafter}[kind]
+        drafter_cls = {cls.kind: cls for cls in (DraftModel, MTPDrafter)}[kind]
         self.drafter = drafter_cls(model, self.pool.num_pages, self.config.page_size, self.config.backend)
         self.reset_spec_stats()
 
@@ -465,12 +465,14 @@ class Engine:
         return bool(hits)
 
     # --- measurement ------------------------------------------------------------------------------
-    def forward_costs(self, batch_size: int, context: int = 32, repeats: int = 30) -> ForwardCosts:
+    def forward_costs(self, batch_size: int, context: int = 32, repeats: int = 30,
+                      num_draft_tokens: int | None = None) -> ForwardCosts:
         """The fastest of `repeats` timings of each forward behind speculation, over batch_size sequences with
-        `context` tokens cached (pages borrowed from the pool, then returned)."""
+        `context` tokens cached (pages borrowed from the pool, then returned); the verify forward is K+1 tokens
+        long, K the engine's or `num_draft_tokens`."""
         if self.drafter is None:
             raise RuntimeError("forward costs of speculation need a drafter attached")
-        k = self.num_draft_tokens
+        k = num_draft_tokens or self.num_draft_tokens
         hidden = {"hidden_states": torch.zeros(batch_size, self.model.config.hidden_size, device=self.device,
                                                dtype=self.drafter.runner.dtype)} if self.drafter.needs_hidden_states else {}
         return ForwardCosts(decode=self._forward_cost(self.runner, batch_size, 1, context, repeats),

@@ -62,7 +62,7 @@ def main(argv: list[str] | None = None) -> int:
                                     **engine_kwargs(args, max_num_seqs=args.batch_size))
     if tp.rank == 0 or args.spec == "mtp":  # a draft LM runs whole on rank 0 only
         with drafter_scope(args.spec):
-            attach_spec(engine, args)
+            attach_spec(engine, args, min(len(prompts), args.batch_size))
     if tp.rank > 0:  # rank 0 schedules; the others run its steps on their shards
         serve_forever()
         return 0

@@ -30,6 +30,7 @@ reads the accepted lengths; positions past the accepted prefix are redundant wor
 
 from __future__ import annotations
 
+import math
 import time
 from dataclasses import dataclass, field
 from collections.abc import Callable
@@ -84,14 +85,26 @@ class SpecStats:
         """Tokens per target step while speculating (1 means drafts never helped)."""
         return self.emitted / self.verify_steps if self.verify_steps else 0.0
 
+    def conditional_acceptance(self) -> tuple[list[float | None], list[float | None]]:
+        """Per draft position j: (accepted at j / steps that reached j, its binomial standard error); None where
+        no step reached j. Unlike `acceptance_per_position` (the unconditional share of steps), these do not
+        compound: tau = 1 + sum_j prod_{i<=j} a_i."""
+        reached = [self.verify_steps, *self.accepted_per_position[:-1]]
+        rates = [a / n if n else None for a, n in zip(self.accepted_per_position, reached)]
+        errors = [math.sqrt(r * (1 - r) / n) if n else None for r, n in zip(rates, reached)]
+        return rates, errors
+
     def to_dict(self) -> dict:
         steps = max(self.verify_steps, 1)
+        rates, errors = self.conditional_acceptance()
         return {
             "num_draft_tokens": self.num_draft_tokens,
             "verify_steps": self.verify_steps,
             "speculated_share": round(self.verify_steps / max(self.verify_steps + self.plain_decodes, 1), 4),
             "tau": round(self.tau, 4),
-            "acceptance_per_position": [round(a / steps, 4) for a in self.accepted_per_position],
+            "acceptance_per_position": [round(a / steps, 4) for a in self.accepted_per_position],  # unconditional
+            "conditional_acceptance": [None if r is None else round(r, 4) for r in rates],
+            "conditional_acceptance_se": [None if e is None else round(e, 4) for e in errors],
             "accepted_length_histogram": list(self.accepted_length_histogram),
             "draft_time_s": round(self.draft_time_s, 4),
             "verify_time_s": round(self.verify_time_s, 4),
@@ -110,6 +123,7 @@ class DraftState:
 class Drafter:
     """What both drafters share: a ModelRunner over the shared pages, and the catch-up bookkeeping."""
 
+    kind: str  # what Engine.attach_drafter calls it
     token_shift = 0  # position i reads token t_{i + token_shift}
     needs_hidden_states = False
 
@@ -214,10 +228,13 @@ class Drafter:
 class DraftModel(Drafter):
     """A smaller causal LM sharing the target's tokenizer."""
 
+    kind = "draft"
+
 
 class MTPDrafter(Drafter):
     """An MTP head fed with the target's hidden states."""
 
+    kind = "mtp"
     token_shift = 1
     needs_hidden_states = True
 

@@ -7,7 +7,13 @@ Both `python -m infer.bench --spec` and `mtp_train.validate` measure with these 
 
         ideal = tau * t(decode) / (K * t(draft) + t(verify over K+1))
 
-    so that achieved / ideal is the share of the ideal the runtime keeps.
+    so that achieved / ideal is the share of the ideal the runtime keeps;
+  - `recommend_k`: the chain length K that maximises the predicted speedup at a batch size, from the conditional
+    acceptance per draft position (measured once at the largest K: chain drafting is the same up to any smaller K),
+    the measured cost of a draft forward and of the verify forward at each K, and each step's measured overhead o:
+
+        tau(K) = 1 + sum_{j<=K} prod_{i<=j} a_i
+        predicted(K) = tau(K) * (t(decode) + o_plain) / (K * t(draft) + t(verify over K+1) + o_spec)
 """
 
 from __future__ import annotations
@@ -17,6 +23,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 
 from infer.engine import Engine, ForwardCosts, Request
+from infer.kv_cache import pages_needed
 from infer.sampling_params import SamplingParams
 
 COST_CONTEXT = 32  # cached tokens behind the timed single forwards
@@ -65,3 +72,70 @@ def compare(plain: Engine, spec: Engine, prompts: Sequence, params: SamplingPara
 
 def ideal_speedup(tau: float, costs: ForwardCosts, k: int) -> float:
     return tau * costs.decode / (k * costs.draft + costs.verify)
+
+
+@dataclass
+class StepOverhead:
+    """Seconds per engine step beyond its forwards (scheduling, metadata, sampling, bookkeeping), measured."""
+
+    plain: float = 0.0  # a plain decode step beyond its target forward
+    spec: float = 0.0  # a speculative step beyond its K draft forwards and its verify forward
+
+    @classmethod
+    def measured(cls, comparison: Comparison, costs: ForwardCosts, k: int, batch_size: int) -> "StepOverhead":
+        """From a timed comparison at K: a plain step emits batch_size tokens, a speculative one batch_size * tau."""
+        plain_step = comparison.plain.seconds * batch_size / comparison.plain.tokens
+        spec_step = comparison.spec.seconds * batch_size * comparison.stats["tau"] / comparison.spec.tokens
+        return cls(max(plain_step - costs.decode, 0.0), max(spec_step - k * costs.draft - costs.verify, 0.0))
+
+
+def predicted_speedup(tau: float, costs: ForwardCosts, k: int, overhead: StepOverhead) -> float:
+    """The ideal speedup once each step's measured overhead is added to both sides."""
+    return tau * (costs.decode + overhead.plain) / (k * costs.draft + costs.verify + overhead.spec)
+
+
+def predicted_tau(conditional: list[float], k: int) -> float:
+    """Tokens per target forward for chain drafting of k tokens, from the conditional acceptance per position."""
+    tau, reach = 1.0, 1.0
+    for rate in conditional[:k]:
+        reach *= rate
+        tau += reach
+    return tau
+
+
+@dataclass
+class Recommendation:
+    k: int
+    predicted_speedup: dict[int, float]  # K -> speedup over plain decoding
+
+    def to_dict(self) -> dict:
+        return {"k": self.k, "predicted_speedup": {str(k): round(v, 3) for k, v in self.predicted_speedup.items()}}
+
+
+def recommend_k(conditional: list[float], costs: dict[int, ForwardCosts],
+                overhead: StepOverhead | None = None) -> Recommendation:
+    """The K in `costs` (each with its own verify cost) with the highest predicted speedup."""
+    usable = {k: c for k, c in costs.items() if k <= len(conditional)}
+    if not usable:
+        raise ValueError(f"no K in {sorted(costs)} is covered by acceptance measured at {len(conditional)} positions")
+    overhead = overhead or StepOverhead()
+    speedup = {k: predicted_speedup(predicted_tau(conditional, k), c, k, overhead) for k, c in sorted(usable.items())}
+    return Recommendation(max(speedup, key=speedup.get), speedup)
+
+
+def recommend_k_by_batch(spec: Engine, conditional: list[float | None], batch_sizes: Sequence[int],
+                         overhead: StepOverhead, repeats: int = 10) -> dict[str, dict]:
+    """batch size -> the recommended K and the predicted speedup at every K up to the measured one, from forward
+    costs measured here (on an engine of `spec`'s model and drafter with pages for the largest batch) and the step
+    overhead measured in the timed runs."""
+    max_k = len(conditional)
+    rates = [r or 0.0 for r in conditional]  # a position never reached accepts nothing we know of
+    pages = max(batch_sizes) * pages_needed(COST_CONTEXT + max_k + 2, spec.config.page_size) + 1
+    costs_engine = spec.with_config(num_pages=pages, max_num_seqs=max(batch_sizes), num_draft_tokens=max_k)
+    costs_engine.attach_drafter(spec.drafter.kind, spec.drafter.runner.model)
+    out = {}
+    for batch_size in batch_sizes:
+        costs = {k: costs_engine.forward_costs(batch_size, COST_CONTEXT, repeats, num_draft_tokens=k)
+                 for k in range(1, max_k + 1)}
+        out[str(batch_size)] = recommend_k(rates, costs, overhead).to_dict()
+    return out

@@ -56,11 +56,11 @@ for head in $HEADS; do
   if [ "$head" = mtp ]; then
     for format in sglang-nextn eagle; do
       python -m mtp_train.export --head "$RUN/head" --format "$format" --out "$RUN/export-$format" --target "$MODEL" \
-        --overwrite
+        --report "$RUN/validation/report.json" --overwrite
     done
   else
     python -m mtp_train.export --head "$RUN/head" --format eagle --out "$RUN/export-eagle" --target "$MODEL" \
-      --overwrite
+      --report "$RUN/validation/report.json" --overwrite
   fi
 done
 

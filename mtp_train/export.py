@@ -17,7 +17,7 @@ from __future__ import annotations
 import argparse
 import json
 import sys
-from dataclasses import asdict
+from dataclasses import asdict, replace
 from pathlib import Path
 
 import torch
@@ -35,6 +35,7 @@ from infer.models.mtp_head import (
     MTPHeadConfig,
     attach_to_target,
     check_target,
+    copy_head,
     load_head,
     load_weights,
     read_head,
@@ -201,8 +202,20 @@ def check_exportable(config: MTPHeadConfig, fmt: str) -> None:
 
 
 # --- writing ---------------------------------------------------------------------------------------------------
+def recommended_k_from_report(report: Path) -> dict[str, int]:
+    """batch size -> K from a validation report.json (mtp_train.validate's recommended_k)."""
+    try:
+        by_batch = json.loads(report.read_text())["recommended_k"]["by_batch_size"]
+        return {str(int(batch)): int(entry["k"]) for batch, entry in by_batch.items()}
+    except FileNotFoundError as err:
+        raise ExportError(f"--report {report} does not exist") from err
+    except (json.JSONDecodeError, KeyError, TypeError, ValueError) as err:
+        raise ExportError(f"{report} is not a validation report with a recommended K "
+                          f"(python -m mtp_train.validate writes one): {err!r}") from err
+
+
 def export_head(head: str | Path | MTPHead, fmt: str, out: str | Path, target: str | Path | None = None,
-                overwrite: bool = False) -> Path:
+                overwrite: bool = False, report: Path | None = None) -> Path:
     """Write `head` (a folder or an in-memory MTPHead) in format `fmt` to `out`.
 
     target: the target's folder; when given the head is checked against it (HeadLoadError on a mismatch) and its
@@ -216,6 +229,10 @@ def export_head(head: str | Path | MTPHead, fmt: str, out: str | Path, target: s
         head = load_head(head, load_model(target)) if target is not None else read_head(head)
     elif target is not None:
         check_target(head.config, load_model(target), "the head")
+    if report is not None:  # the K to serve with, per batch size, travels with the head (the caller's is kept)
+        recommended = recommended_k_from_report(report)
+        head = copy_head(head)
+        head.config = replace(head.config, recommended_k=recommended)
     config = head.config
     check_exportable(config, fmt)
     if fmt == "runtime":
@@ -268,12 +285,15 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--target", type=Path, help="the target's folder: check the head belongs to it")
     parser.add_argument("--overwrite", action="store_true",
                         help="replace an earlier export in --out (a folder holding anything else is refused)")
+    parser.add_argument("--report", type=Path, help="a validation report.json: its recommended K per batch size "
+                                                    "goes into the export's config (recommended_k)")
     args = parser.parse_args(argv)
     if args.target is not None and not args.target.is_dir():
         raise CliError(f"--target {args.target} does not exist")
     if args.out.resolve() == args.head.resolve():
         raise CliError("--out must differ from --head")
-    out = export_head(args.head, args.format, args.out, args.target, overwrite=args.overwrite)
+    out = export_head(args.head, args.format, args.out, args.target, overwrite=args.overwrite,
+                      report=args.report)
     tensors = len(load_file(str(out / "model.safetensors")))
     print(f"wrote {out} ({args.format}, {tensors} tensors)")
     return 0

@@ -45,6 +45,9 @@ def format_report(report: dict) -> str:
     if loss["kl"] is not None:
         lines.append(f"head vs target (infer forward, {loss['positions']} positions): KL {loss['kl']:.4f}, "
                      f"top-1 {loss['top1']:.4f}")
+    for batch, rec in (report.get("recommended_k") or {}).get("by_batch_size", {}).items():
+        lines.append(f"recommended K at batch {batch}: {rec['k']} (predicted speedup "
+                     + ", ".join(f"K={k}: {v:.2f}" for k, v in rec["predicted_speedup"].items()) + ")")
     if report["top1_gap"] is not None:
         flag = "  GAP" if report["gap_flag"] else ""
         lines.append(f"trainer top-1 {report['trainer_top1']:.4f} - runtime greedy acc@1 "

@@ -163,7 +163,7 @@ class Trainer:
             report = validate_head(
                 self.served, self.head, self.prompts, k=v.num_draft_tokens, temperatures=tuple(v.temperatures),
                 max_new_tokens=v.max_new_tokens, batch_size=v.batch_size, repeats=v.repeats,
-                trainer_top1=trainer_top1,
+                trainer_top1=trainer_top1, recommend_for=(),  # the K recommendation is the final validation's
             )
         record = {"split": "validate", "step": self.step, "gap_flag": report["gap_flag"],
                   "greedy_acceptance_0": report["greedy_acceptance_0"], "runtime_kl": report["head_loss"]["kl"]}

@@ -36,7 +36,9 @@ from infer.loader import DTYPES
 from infer.models.mtp_head import MTPHead, attach_to_target, copy_head, load_head
 from infer.prompts import DEFAULT_PROMPTS, read_prompt_file
 from infer.sampling_params import SamplingParams
-from infer.speedup import COST_CONTEXT, compare, ideal_speedup, timed_generate
+from infer.speedup import (
+    COST_CONTEXT, StepOverhead, compare, ideal_speedup, recommend_k_by_batch, timed_generate,
+)
 
 GAP_POINTS = 0.02  # trainer top-1 vs runtime greedy acceptance at position 0
 
@@ -114,12 +116,14 @@ def validate_head(
     trainer_top1: float | None = None,
     dtype: torch.dtype = torch.float32,
     device: str | torch.device = "cpu",
+    recommend_for: tuple[int, ...] = (1, 8, 32),
 ) -> dict:
     """Speculative decoding with `head` on `prompts` through infer's Engine, plus the head's loss (module doc).
 
     target: a model folder (loaded in dtype on device) or an Engine (its model, tokenizer, stop ids and settings).
     prompts: text (the target needs a tokenizer) or token ids; None: infer.prompts.DEFAULT_PROMPTS.
-    trainer_top1 is a fraction in [0, 1].
+    trainer_top1 is a fraction in [0, 1]. recommend_for: batch sizes to recommend a K for (infer.speedup), from
+    the greedy run's conditional acceptance (or the first run's); () skips it.
     """
     start = time.perf_counter()
     if not 1 <= k <= 16:
@@ -144,16 +148,18 @@ def validate_head(
     timed_generate(plain, prompt_ids, warm_up)  # the batch's prefill shapes, and a few speculative steps
     timed_generate(spec, prompt_ids, warm_up)
 
-    runs, sequences_by_temperature = [], {}
+    runs, sequences_by_temperature, comparisons = [], {}, {}
     for temperature in temperatures:
         params = [SamplingParams(temperature=float(temperature), max_new_tokens=max_new_tokens, ignore_eos=True,
                                  seed=seed + i) for i in range(len(prompt_ids))]
-        result = compare(plain, spec, prompt_ids, params, repeats)
+        result = comparisons[float(temperature)] = compare(plain, spec, prompt_ids, params, repeats)
         stats = result.stats
         sequences_by_temperature[float(temperature)] = [r.token_ids for r in result.plain.requests]
         runs.append({
             "temperature": float(temperature), "tau": stats["tau"],
             "acceptance_per_position": stats["acceptance_per_position"],
+            "conditional_acceptance": stats["conditional_acceptance"],
+            "conditional_acceptance_se": stats["conditional_acceptance_se"],
             "accepted_length_histogram": stats["accepted_length_histogram"], "verify_steps": stats["verify_steps"],
             "plain_tok_s": round(result.plain.tok_s, 1), "spec_tok_s": round(result.spec.tok_s, 1),
             "speedup": round(result.speedup, 3),
@@ -164,8 +170,13 @@ def validate_head(
         run["ideal_speedup"] = round(ideal_speedup(run["tau"], costs, k), 3)
         run["achieved_over_ideal"] = round(run["speedup"] / run["ideal_speedup"], 3) if run["ideal_speedup"] else None
 
-    by_temperature = {f"{t:g}": head_loss(model, drafter, seqs) for t, seqs in sequences_by_temperature.items()}
     greedy = next((run for run in runs if run["temperature"] == 0.0), None)
+    basis = greedy or runs[0] if runs else None
+    recommended = {}
+    if recommend_for and basis:
+        overhead = StepOverhead.measured(comparisons[basis["temperature"]], costs, k, min(batch_size, len(prompt_ids)))
+        recommended = recommend_k_by_batch(spec, basis["conditional_acceptance"], recommend_for, overhead)
+    by_temperature = {f"{t:g}": head_loss(model, drafter, seqs) for t, seqs in sequences_by_temperature.items()}
     greedy_acceptance_0 = greedy["acceptance_per_position"][0] if greedy else None
     gap, flag = top1_gap(trainer_top1, greedy_acceptance_0)
     if flag:
@@ -185,6 +196,9 @@ def validate_head(
                       "on": "prompts + the plain engine's continuations at each temperature"},
         "forward_ms": {"decode": round(costs.decode * 1e3, 3), "draft": round(costs.draft * 1e3, 3),
                        "verify": round(costs.verify * 1e3, 3)},
+        "recommended_k": {"by_batch_size": recommended,
+                          "from": (f"T={basis['temperature']:g} conditional acceptance; step overhead measured at "
+                                   f"batch {min(batch_size, len(prompt_ids))}") if recommended else None},
         "trainer_top1": trainer_top1, "greedy_acceptance_0": greedy_acceptance_0,
         "top1_gap": None if gap is None else round(gap, 4), "gap_flag": flag,
         "elapsed_s": round(time.perf_counter() - start, 3),

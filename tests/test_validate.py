@@ -67,6 +67,10 @@ def test_report_structure_and_identities(report):
     assert loss["positions"] == sum(v["positions"] for v in loss["by_temperature"].values()) > 0
     assert report["gap_flag"] is False and report["top1_gap"] is None  # no trainer top-1 given
     assert report["greedy_acceptance_0"] == report["runs"][0]["acceptance_per_position"][0]
+    recommended = report["recommended_k"]["by_batch_size"]
+    assert sorted(recommended, key=int) == ["1", "8", "32"]
+    assert all(1 <= r["k"] <= 3 and sorted(r["predicted_speedup"]) == ["1", "2", "3"] for r in recommended.values())
+    assert all(r["predicted_speedup"][str(r["k"])] == max(r["predicted_speedup"].values()) for r in recommended.values())
     json.dumps(report)
 
 

@@ -70,6 +70,15 @@ class MTPHeadConfig:
     target: dict = field(default_factory=dict)  # {"name", "hidden_size", "vocab_size", "shared_tensors_sha256"}
     format_version: int = HEAD_FORMAT_VERSION
     decoder_type: str = "llama"  # "llama" or "deepseek_v2" (MLA attention, dense MLP)
+    recommended_k: dict = field(default_factory=dict)  # batch size -> K, from a validation (mtp_train.export --report)
+
+    def num_draft_tokens_for(self, batch_size: int) -> int | None:
+        """The recommended K at the largest measured batch size <= batch_size (the smallest one below them all)."""
+        if not self.recommended_k:
+            return None
+        sizes = sorted(int(b) for b in self.recommended_k)
+        fitting = [b for b in sizes if b <= batch_size] or sizes[:1]
+        return int(self.recommended_k[str(fitting[-1])])
 
     def decoder_config(self) -> PretrainedConfig:
         if self.decoder_type == "llama":
@@ -290,13 +299,13 @@ def save_head(head: MTPHead, out: str | Path, overwrite: bool = True) -> Path:
     return out
 
 
-def read_head(path: str | Path) -> MTPHead:
-    """A head folder on the CPU, unattached (export needs no target): config.json + model.safetensors, checked."""
+def read_head_config(path: str | Path) -> MTPHeadConfig:
+    """A head folder's config.json, checked (its weights file must be there too)."""
     path = Path(path)
     if not path.is_dir():
         raise HeadLoadError(f"head folder {path} does not exist (expected config.json + model.safetensors)")
-    config_file, weights_file = path / "config.json", path / "model.safetensors"
-    for file in (config_file, weights_file):
+    config_file = path / "config.json"
+    for file in (config_file, path / "model.safetensors"):
         if not file.is_file():
             raise HeadLoadError(f"{file} is missing: expected a head folder (config.json + model.safetensors)")
     try:
@@ -305,7 +314,13 @@ def read_head(path: str | Path) -> MTPHead:
         raise HeadLoadError(f"{config_file} is not a head config: {err}") from err
     if config.format_version != HEAD_FORMAT_VERSION:
         raise HeadLoadError(f"{config_file}: head format {config.format_version}, this runtime reads {HEAD_FORMAT_VERSION}")
-    head = MTPHead(config)
+    return config
+
+
+def read_head(path: str | Path) -> MTPHead:
+    """A head folder on the CPU, unattached (export needs no target): config.json + model.safetensors, checked."""
+    head = MTPHead(read_head_config(path))
+    weights_file = Path(path) / "model.safetensors"
     load_weights(head, load_file(str(weights_file)), weights_file)
     return head
 

@@ -1,0 +1,64 @@
+"""infer.speedup: tau from conditional acceptance, and the recommended K (an exact identity and hand-worked cases)."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from infer.engine import ForwardCosts
+from infer.models.mtp_head import read_head_config
+from infer.speculative import SpecStats
+from infer.speedup import ideal_speedup, predicted_tau, recommend_k
+from mtp_train.export import export_head, main
+
+
+def test_tau_is_one_plus_the_compounded_conditional_acceptance():
+    """On any accepted-length histogram, tau measured = 1 + sum_j prod_{i<=j} a_i with a_i conditional: the
+    prediction of smaller K from a run at K=4 rests on this."""
+    stats = SpecStats(4)
+    for accepted, times in ((0, 7), (1, 5), (2, 3), (3, 2), (4, 9)):
+        for _ in range(times):
+            stats.record(accepted)
+    rates, errors = stats.conditional_acceptance()
+    assert rates[0] == pytest.approx(19 / 26) and rates[3] == pytest.approx(9 / 11)
+    assert errors[0] == pytest.approx(((19 / 26) * (7 / 26) / 26) ** 0.5)
+    assert predicted_tau(rates, 4) == pytest.approx(stats.tau)
+    # the unconditional shares compound already: summing them is tau too, and differs from the conditional rates
+    assert 1 + sum(stats.to_dict()["acceptance_per_position"]) == pytest.approx(stats.tau, abs=1e-3)
+    assert stats.to_dict()["conditional_acceptance"][1] != stats.to_dict()["acceptance_per_position"][1]
+
+
+def test_recommend_k_maximises_the_predicted_speedup():
+    conditional = [0.9, 0.5, 0.1, 0.1]
+    costs = {k: ForwardCosts(decode=1.0, draft=0.1, verify=1.0 + 0.05 * k) for k in range(1, 5)}
+    rec = recommend_k(conditional, costs)
+    by_hand = {1: 1.9 / 1.15, 2: 2.35 / 1.3, 3: 2.395 / 1.45, 4: 2.3995 / 1.6}
+    assert rec.predicted_speedup == pytest.approx(by_hand)
+    assert rec.k == 2
+    # a free verify forward and perfect drafts: the longest chain wins
+    assert recommend_k([1.0] * 4, {k: ForwardCosts(1.0, 0.0, 1.0) for k in range(1, 5)}).k == 4
+    assert ideal_speedup(predicted_tau([1.0] * 4, 4), ForwardCosts(1.0, 0.0, 1.0), 4) == pytest.approx(5.0)
+    with pytest.raises(ValueError, match="covered by acceptance measured at 1 positions"):
+        recommend_k([0.5], {2: costs[2]})
+
+
+def test_export_carries_the_reports_recommendation_and_generate_uses_it(tmp_path, stories_model):
+    from infer.models.mtp_head import init_head_from_target, save_head  # noqa: PLC0415
+
+    head = save_head(init_head_from_target(stories_model, "stories260K"), tmp_path / "head")
+    report = tmp_path / "report.json"
+    report.write_text(json.dumps({"recommended_k": {"by_batch_size": {"1": {"k": 3}, "8": {"k": 2}, "32": {"k": 1}}}}))
+    out = export_head(head, "runtime", tmp_path / "runtime", report=report)
+    config = read_head_config(out)
+    assert config.recommended_k == {"1": 3, "8": 2, "32": 1}
+    assert [config.num_draft_tokens_for(b) for b in (1, 4, 8, 31, 32, 64)] == [3, 3, 2, 2, 1, 1]
+    assert read_head_config(head).recommended_k == {}  # the source head is left as it was
+    eagle = json.loads((export_head(head, "eagle", tmp_path / "eagle", report=report) / "config.json").read_text())
+    assert eagle["mtp_head"]["recommended_k"] == {"1": 3, "8": 2, "32": 1}
+    bad = tmp_path / "bad.json"
+    bad.write_text("{}")
+    from infer.cli import run_cli  # noqa: PLC0415
+
+    assert run_cli(lambda: main(["--head", str(head), "--format", "eagle", "--out", str(tmp_path / "x"),
+                                 "--report", str(bad)])) == 2
