@@ -175,33 +175,34 @@ class DecodeSteps:
     """The metadata of successive one-token forwards over fixed page tables, built once for all of them.
 
     Draft forwards are such a run: step j writes position first[b] + j of every sequence, so positions advance by
-    one and kv lengths follow. The page tables are padded into one [B, P] tensor here; each step's metadata is then
-    a few tensor ops on the device (no Python per sequence, no host round trip), equal to what
-    `build_page_metadata` gives for the same step.
+    one and kv lengths follow. Every step's tensors are computed here in one batch of tensor ops over a padded
+    [B, P] page table ([S, B] for positions and lengths, S steps), with one host read (the steps' page counts, to
+    split kv_indices); `step(j)` then only slices them. Each step equals what `build_page_metadata` gives for it.
     """
 
     def __init__(self, page_lists: list[list[int]], first_positions: list[int], num_steps: int, page_size: int,
                  device: torch.device) -> None:
-        last_kv = [p + num_steps for p in first_positions]
-        width = max(pages_needed(kv, page_size) for kv in last_kv)
+        width = max(pages_needed(p + num_steps, page_size) for p in first_positions)
         rows = [pages[:width] + [0] * (width - len(pages[:width])) for pages in page_lists]
-        self.table = torch.tensor(rows, dtype=torch.int64, device=device)  # [B, P]
-        self.first = torch.tensor(first_positions, dtype=torch.int64, device=device)  # [B]
-        self.first_max, self.page_size, self.device = max(first_positions), page_size, device
-        self.page_rank = torch.arange(width, device=device)  # [P]
+        table = torch.tensor(rows, dtype=torch.int64, device=device)  # [B, P]
+        first = torch.tensor(first_positions, dtype=torch.int64, device=device)  # [B]
+        positions = first[None, :] + torch.arange(num_steps, device=device)[:, None]  # [S, B] the one new token each
+        kv_lens = positions + 1
+        used = (kv_lens + page_size - 1) // page_size  # [S, B] pages covering kv_lens
+        kv_indices = table[None].expand(num_steps, -1, -1)[torch.arange(width, device=device) < used[..., None]]
+        pages_per_step = used.sum(1)
+        slots = table.gather(1, (positions // page_size).T).T * page_size + positions % page_size  # [S, B]
+        i32 = dict(dtype=torch.int32)
+        self.positions, self.slots = positions, slots
+        self.kv_lens, self.last_page_len = kv_lens.to(**i32), ((kv_lens - 1) % page_size + 1).to(**i32)
+        self.kv_indptr = torch.cat((used.new_zeros(num_steps, 1), used.cumsum(1)), dim=1).to(**i32)  # [S, B+1]
+        self.kv_indices = kv_indices.to(**i32).split(pages_per_step.tolist())  # S pieces
         self.qo_indptr = torch.arange(len(first_positions) + 1, dtype=torch.int32, device=device)
+        self.first_max, self.page_size = max(first_positions), page_size
 
     def step(self, j: int) -> PageMetadata:
-        size = self.page_size
-        positions = self.first + j  # [B] the one new token of each sequence
-        kv_lens = positions + 1
-        used = (kv_lens + size - 1) // size  # [B] pages covering kv_lens
-        kv_indices = self.table[self.page_rank[None, :] < used[:, None]]  # row-major: sequence by sequence
-        kv_indptr = torch.cat((used.new_zeros(1), used.cumsum(0)))
-        slots = self.table.gather(1, (positions // size)[:, None]).squeeze(1) * size + positions % size
-        i32 = dict(dtype=torch.int32)
         return PageMetadata(
-            qo_indptr=self.qo_indptr, kv_indptr=kv_indptr.to(**i32), kv_indices=kv_indices.to(**i32),
-            kv_last_page_len=((kv_lens - 1) % size + 1).to(**i32), kv_lens=kv_lens.to(**i32), positions=positions,
-            slot_mapping=slots, page_size=size, max_q_len=1, max_kv_len=self.first_max + j + 1,
+            qo_indptr=self.qo_indptr, kv_indptr=self.kv_indptr[j], kv_indices=self.kv_indices[j],
+            kv_last_page_len=self.last_page_len[j], kv_lens=self.kv_lens[j], positions=self.positions[j],
+            slot_mapping=self.slots[j], page_size=self.page_size, max_q_len=1, max_kv_len=self.first_max + j + 1,
         )
