@@ -134,19 +134,18 @@ def recommendations(rows: list[dict]) -> list[dict]:
         largest = sweep[max(sweep)]
         costs = {k: ForwardCosts(r["t_decode_ms"] / 1e3, r["t_draft_ms"] / 1e3, r["t_verify_ms"] / 1e3)
                  for k, r in sweep.items()}
-        # the step overhead of the largest K's runs: seconds per step measured minus its forwards
-        batch, k_max = key[1], max(sweep)
-        plain_step = batch / largest["plain_tok_s"]
-        spec_step = batch * largest["tau"] / largest["spec_tok_s"]
-        c = costs[k_max]
-        overhead = StepOverhead(max(plain_step - c.decode, 0.0), max(spec_step - k_max * c.draft - c.verify, 0.0))
+        # the step overhead, fitted through the smallest and the largest K's runs only: the Ks between are a check
+        ends = {k: (sweep[k]["plain_tok_s"], sweep[k]["spec_tok_s"], sweep[k]["tau"]) for k in (min(sweep), max(sweep))}
+        overhead = StepOverhead.fitted(ends, costs, key[1])
         rec = recommend_k([a or 0.0 for a in largest["conditional_acceptance"]], costs, overhead)
         measured_best = max(sweep, key=lambda k: sweep[k]["spec_tok_s"])
         predicted = rec.predicted_speedup[rec.k] * sweep[rec.k]["plain_tok_s"]
+        errors = [rec.predicted_speedup[k] * sweep[k]["plain_tok_s"] / sweep[k]["spec_tok_s"] - 1 for k in sweep]
         out.append({"temperature": key[0], "batch_size": key[1], "recommended_k": rec.k,
                     "measured_best_k": measured_best, "predicted_tok_s": round(predicted, 1),
                     "measured_tok_s": sweep[rec.k]["spec_tok_s"],
-                    "predicted_over_measured": round(predicted / sweep[rec.k]["spec_tok_s"], 3)})
+                    "predicted_over_measured": round(predicted / sweep[rec.k]["spec_tok_s"], 3),
+                    "worst_error_any_k": round(max(errors, key=abs), 3)})
     return out
 
 

@@ -13,7 +13,7 @@ Both `python -m infer.bench --spec` and `mtp_train.validate` measure with these 
     the measured cost of a draft forward and of the verify forward at each K, and each step's measured overhead o:
 
         tau(K) = 1 + sum_{j<=K} prod_{i<=j} a_i
-        predicted(K) = tau(K) * (t(decode) + o_plain) / (K * t(draft) + t(verify over K+1) + o_spec)
+        predicted(K) = tau(K) * (t(decode) + o_plain) / (K * t(draft) + t(verify over K+1) + o_spec(K))
 """
 
 from __future__ import annotations
@@ -76,22 +76,34 @@ def ideal_speedup(tau: float, costs: ForwardCosts, k: int) -> float:
 
 @dataclass
 class StepOverhead:
-    """Seconds per engine step beyond its forwards (scheduling, metadata, sampling, bookkeeping), measured."""
+    """Seconds per engine step beyond its forwards (scheduling, metadata, plans, sampling, bookkeeping), measured.
+
+    A speculative step's overhead grows with K (each draft forward has its own metadata, plan and sampling), so it
+    is a line a + b * K through the Ks measured (flat when one K was measured)."""
 
     plain: float = 0.0  # a plain decode step beyond its target forward
-    spec: float = 0.0  # a speculative step beyond its K draft forwards and its verify forward
+    spec: float = 0.0  # a speculative step beyond its K draft forwards and its verify forward: a ...
+    spec_per_draft: float = 0.0  # ... + b * K
+
+    def spec_at(self, k: int) -> float:
+        return max(self.spec + self.spec_per_draft * k, 0.0)
 
     @classmethod
-    def measured(cls, comparison: Comparison, costs: ForwardCosts, k: int, batch_size: int) -> "StepOverhead":
-        """From a timed comparison at K: a plain step emits batch_size tokens, a speculative one batch_size * tau."""
-        plain_step = comparison.plain.seconds * batch_size / comparison.plain.tokens
-        spec_step = comparison.spec.seconds * batch_size * comparison.stats["tau"] / comparison.spec.tokens
-        return cls(max(plain_step - costs.decode, 0.0), max(spec_step - k * costs.draft - costs.verify, 0.0))
+    def fitted(cls, measured: dict[int, tuple[float, float, float]], costs: dict[int, ForwardCosts],
+               batch_size: int) -> "StepOverhead":
+        """From timed runs per K: {K: (plain tok/s, speculative tok/s, tau)}, each K with its forward costs. A
+        plain step emits batch_size tokens, a speculative one batch_size * tau."""
+        plain = [batch_size / plain_tok_s - costs[k].decode for k, (plain_tok_s, _, _) in measured.items()]
+        spec = {k: batch_size * tau / spec_tok_s - k * costs[k].draft - costs[k].verify
+                for k, (_, spec_tok_s, tau) in measured.items()}
+        low, high = min(spec), max(spec)
+        slope = (spec[high] - spec[low]) / (high - low) if high > low else 0.0
+        return cls(max(sum(plain) / len(plain), 0.0), spec[low] - slope * low, slope)
 
 
 def predicted_speedup(tau: float, costs: ForwardCosts, k: int, overhead: StepOverhead) -> float:
     """The ideal speedup once each step's measured overhead is added to both sides."""
-    return tau * (costs.decode + overhead.plain) / (k * costs.draft + costs.verify + overhead.spec)
+    return tau * (costs.decode + overhead.plain) / (k * costs.draft + costs.verify + overhead.spec_at(k))
 
 
 def predicted_tau(conditional: list[float], k: int) -> float:

@@ -30,7 +30,7 @@ from torch import nn
 from data_tools.config import ConfigError
 from infer.attention import PackedCausalAttention
 from infer.cli import CliError, run_cli
-from infer.engine import Engine
+from infer.engine import Engine, ForwardCosts
 from infer.kv_cache import pages_needed
 from infer.loader import DTYPES
 from infer.models.mtp_head import MTPHead, attach_to_target, copy_head, load_head
@@ -156,7 +156,7 @@ def validate_head(
         stats = result.stats
         sequences_by_temperature[float(temperature)] = [r.token_ids for r in result.plain.requests]
         runs.append({
-            "temperature": float(temperature), "tau": stats["tau"],
+            "temperature": float(temperature), "max_new_tokens": max_new_tokens, "tau": stats["tau"],
             "acceptance_per_position": stats["acceptance_per_position"],
             "conditional_acceptance": stats["conditional_acceptance"],
             "conditional_acceptance_se": stats["conditional_acceptance_se"],
@@ -174,8 +174,8 @@ def validate_head(
     basis = greedy or runs[0] if runs else None
     recommended = {}
     if recommend_for and basis:
-        overhead = StepOverhead.measured(comparisons[basis["temperature"]], costs, k, min(batch_size, len(prompt_ids)))
-        recommended = recommend_k_by_batch(spec, basis["conditional_acceptance"], recommend_for, overhead)
+        recommended = recommend_k_by_batch(spec, basis["conditional_acceptance"], recommend_for,
+                                           step_overhead(served, drafter, sizes, prompt_ids, basis, comparisons, costs))
     by_temperature = {f"{t:g}": head_loss(model, drafter, seqs) for t, seqs in sequences_by_temperature.items()}
     greedy_acceptance_0 = greedy["acceptance_per_position"][0] if greedy else None
     gap, flag = top1_gap(trainer_top1, greedy_acceptance_0)
@@ -203,6 +203,25 @@ def validate_head(
         "top1_gap": None if gap is None else round(gap, 4), "gap_flag": flag,
         "elapsed_s": round(time.perf_counter() - start, 3),
     }
+
+
+def step_overhead(served: Engine, drafter: MTPHead, sizes: dict, prompt_ids: list[list[int]], basis: dict,
+                  comparisons: dict, costs: ForwardCosts) -> StepOverhead:
+    """The per-step overhead at K (the validation's timed run) and at K=1 (one more short timed run), fitted."""
+    k, batch = sizes["num_draft_tokens"], min(sizes["max_num_seqs"], len(prompt_ids))
+    temperature = basis["temperature"]
+    measured = {k: comparisons[temperature]}
+    all_costs = {k: costs}
+    if k > 1:
+        one = served.with_config(**{**sizes, "num_draft_tokens": 1})
+        one.attach_drafter("mtp", drafter)
+        params = [SamplingParams(temperature=temperature, max_new_tokens=basis["max_new_tokens"], ignore_eos=True,
+                                 seed=i) for i in range(len(prompt_ids))]
+        timed_generate(one, prompt_ids, params)  # warm-up
+        measured[1] = compare(served.with_config(**sizes), one, prompt_ids, params, repeats=1)
+        all_costs[1] = one.forward_costs(batch, COST_CONTEXT)
+    return StepOverhead.fitted({n: (c.plain.tok_s, c.spec.tok_s, c.stats["tau"]) for n, c in measured.items()},
+                               all_costs, batch)
 
 
 def tokenize_prompts(served: Engine, prompts: list[str] | list[list[int]]) -> list[list[int]]:

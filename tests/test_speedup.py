@@ -9,7 +9,7 @@ import pytest
 from infer.engine import ForwardCosts
 from infer.models.mtp_head import read_head_config
 from infer.speculative import SpecStats
-from infer.speedup import ideal_speedup, predicted_tau, recommend_k
+from infer.speedup import StepOverhead, ideal_speedup, predicted_speedup, predicted_tau, recommend_k
 from mtp_train.export import export_head, main
 
 
@@ -62,3 +62,18 @@ def test_export_carries_the_reports_recommendation_and_generate_uses_it(tmp_path
 
     assert run_cli(lambda: main(["--head", str(head), "--format", "eagle", "--out", str(tmp_path / "x"),
                                  "--report", str(bad)])) == 2
+
+
+def test_step_overhead_is_fitted_through_two_ks_and_predicts_the_ones_between():
+    """Synthetic runs whose step overhead is 0.3 + 0.1 K ms (plain: 0.2 ms): the fit recovers it from K=1 and K=4,
+    and the prediction at K=2 and 3 is exact; a single K gives a flat overhead."""
+    batch, tau = 8, {1: 1.8, 2: 2.2, 3: 2.5, 4: 2.7}
+    costs = {k: ForwardCosts(decode=0.5e-3, draft=0.2e-3, verify=(0.6 + 0.05 * k) * 1e-3) for k in tau}
+    plain_tok_s = batch / (0.5e-3 + 0.2e-3)
+    spec_tok_s = {k: batch * tau[k] / (k * 0.2e-3 + costs[k].verify + (0.3 + 0.1 * k) * 1e-3) for k in tau}
+    fitted = StepOverhead.fitted({k: (plain_tok_s, spec_tok_s[k], tau[k]) for k in (1, 4)}, costs, batch)
+    assert (fitted.plain, fitted.spec, fitted.spec_per_draft) == pytest.approx((0.2e-3, 0.3e-3, 0.1e-3))
+    for k in (2, 3):
+        assert predicted_speedup(tau[k], costs[k], k, fitted) == pytest.approx(spec_tok_s[k] / plain_tok_s)
+    flat = StepOverhead.fitted({4: (plain_tok_s, spec_tok_s[4], tau[4])}, costs, batch)
+    assert flat.spec_per_draft == 0 and flat.spec_at(1) == pytest.approx(0.7e-3)
