@@ -37,7 +37,7 @@ from infer.models.mtp_head import MTPHead, attach_to_target, copy_head, load_hea
 from infer.prompts import DEFAULT_PROMPTS, read_prompt_file
 from infer.sampling_params import SamplingParams
 from infer.speedup import (
-    COST_CONTEXT, StepOverhead, compare, ideal_speedup, recommend_k_by_batch, timed_generate,
+    COST_CONTEXT, Comparison, StepOverhead, compare, ideal_speedup, recommend_k_by_batch, timed_generate,
 )
 
 GAP_POINTS = 0.02  # trainer top-1 vs runtime greedy acceptance at position 0
@@ -126,13 +126,7 @@ def validate_head(
     the greedy run's conditional acceptance (or the first run's); () skips it.
     """
     start = time.perf_counter()
-    if not 1 <= k <= 16:
-        raise ValueError(f"k (draft tokens per step) must be in 1..16, got {k}")
-    if max_new_tokens < 1 or batch_size < 1 or repeats < 1:
-        raise ValueError(f"max_new_tokens, batch_size and repeats must be >= 1, got {max_new_tokens}, {batch_size}, "
-                         f"{repeats}")
-    if trainer_top1 is not None and not 0.0 <= trainer_top1 <= 1.0:
-        raise ValueError(f"trainer_top1 is a fraction in [0, 1], got {trainer_top1}")
+    check_arguments(k, max_new_tokens, batch_size, repeats, trainer_top1)
     served = target if isinstance(target, Engine) else Engine.from_pretrained(target, dtype=dtype, device=str(device))
     model = served.model
     drafter = serving_head(head, model)
@@ -148,23 +142,9 @@ def validate_head(
     timed_generate(plain, prompt_ids, warm_up)  # the batch's prefill shapes, and a few speculative steps
     timed_generate(spec, prompt_ids, warm_up)
 
-    runs, sequences_by_temperature, comparisons = [], {}, {}
-    for temperature in temperatures:
-        params = [SamplingParams(temperature=float(temperature), max_new_tokens=max_new_tokens, ignore_eos=True,
-                                 seed=seed + i) for i in range(len(prompt_ids))]
-        result = comparisons[float(temperature)] = compare(plain, spec, prompt_ids, params, repeats)
-        stats = result.stats
-        sequences_by_temperature[float(temperature)] = [r.token_ids for r in result.plain.requests]
-        runs.append({
-            "temperature": float(temperature), "max_new_tokens": max_new_tokens, "tau": stats["tau"],
-            "acceptance_per_position": stats["acceptance_per_position"],
-            "conditional_acceptance": stats["conditional_acceptance"],
-            "conditional_acceptance_se": stats["conditional_acceptance_se"],
-            "accepted_length_histogram": stats["accepted_length_histogram"], "verify_steps": stats["verify_steps"],
-            "plain_tok_s": round(result.plain.tok_s, 1), "spec_tok_s": round(result.spec.tok_s, 1),
-            "speedup": round(result.speedup, 3),
-            "draft_time_s": stats["draft_time_s"], "verify_time_s": stats["verify_time_s"],
-        })
+    comparisons = {float(t): compare(plain, spec, prompt_ids, sampling_params(t, max_new_tokens, seed, len(prompt_ids)),
+                                     repeats) for t in temperatures}
+    runs = [run_record(t, max_new_tokens, result) for t, result in comparisons.items()]
     costs = spec.forward_costs(min(batch_size, len(prompt_ids)), COST_CONTEXT)
     for run in runs:
         run["ideal_speedup"] = round(ideal_speedup(run["tau"], costs, k), 3)
@@ -176,7 +156,8 @@ def validate_head(
     if recommend_for and basis:
         recommended = recommend_k_by_batch(spec, basis["conditional_acceptance"], recommend_for,
                                            step_overhead(served, drafter, sizes, prompt_ids, basis, comparisons, costs))
-    by_temperature = {f"{t:g}": head_loss(model, drafter, seqs) for t, seqs in sequences_by_temperature.items()}
+    by_temperature = {f"{t:g}": head_loss(model, drafter, [r.token_ids for r in result.plain.requests])
+                      for t, result in comparisons.items()}
     greedy_acceptance_0 = greedy["acceptance_per_position"][0] if greedy else None
     gap, flag = top1_gap(trainer_top1, greedy_acceptance_0)
     if flag:
@@ -205,6 +186,37 @@ def validate_head(
     }
 
 
+def check_arguments(k: int, max_new_tokens: int, batch_size: int, repeats: int, trainer_top1: float | None) -> None:
+    if not 1 <= k <= 16:
+        raise ValueError(f"k (draft tokens per step) must be in 1..16, got {k}")
+    if max_new_tokens < 1 or batch_size < 1 or repeats < 1:
+        raise ValueError(f"max_new_tokens, batch_size and repeats must be >= 1, got {max_new_tokens}, {batch_size}, "
+                         f"{repeats}")
+    if trainer_top1 is not None and not 0.0 <= trainer_top1 <= 1.0:
+        raise ValueError(f"trainer_top1 is a fraction in [0, 1], got {trainer_top1}")
+
+
+def sampling_params(temperature: float, max_new_tokens: int, seed: int, count: int) -> list[SamplingParams]:
+    """Fixed-length requests; prompt i samples with seed + i."""
+    return [SamplingParams(temperature=float(temperature), max_new_tokens=max_new_tokens, ignore_eos=True,
+                           seed=seed + i) for i in range(count)]
+
+
+def run_record(temperature: float, max_new_tokens: int, result: Comparison) -> dict:
+    """One temperature's line of the report: acceptance, tau and the timed speedup."""
+    stats = result.stats
+    return {
+        "temperature": float(temperature), "max_new_tokens": max_new_tokens, "tau": stats["tau"],
+        "acceptance_per_position": stats["acceptance_per_position"],
+        "conditional_acceptance": stats["conditional_acceptance"],
+        "conditional_acceptance_se": stats["conditional_acceptance_se"],
+        "accepted_length_histogram": stats["accepted_length_histogram"], "verify_steps": stats["verify_steps"],
+        "plain_tok_s": round(result.plain.tok_s, 1), "spec_tok_s": round(result.spec.tok_s, 1),
+        "speedup": round(result.speedup, 3),
+        "draft_time_s": stats["draft_time_s"], "verify_time_s": stats["verify_time_s"],
+    }
+
+
 def step_overhead(served: Engine, drafter: MTPHead, sizes: dict, prompt_ids: list[list[int]], basis: dict,
                   comparisons: dict, costs: ForwardCosts) -> StepOverhead:
     """The per-step overhead at K (the validation's timed run) and at K=1 (one more short timed run), fitted."""
@@ -215,8 +227,7 @@ def step_overhead(served: Engine, drafter: MTPHead, sizes: dict, prompt_ids: lis
     if k > 1:
         one = served.with_config(**{**sizes, "num_draft_tokens": 1})
         one.attach_drafter("mtp", drafter)
-        params = [SamplingParams(temperature=temperature, max_new_tokens=basis["max_new_tokens"], ignore_eos=True,
-                                 seed=i) for i in range(len(prompt_ids))]
+        params = sampling_params(temperature, basis["max_new_tokens"], 0, len(prompt_ids))
         timed_generate(one, prompt_ids, params)  # warm-up
         measured[1] = compare(served.with_config(**sizes), one, prompt_ids, params, repeats=1)
         all_costs[1] = one.forward_costs(batch, COST_CONTEXT)
