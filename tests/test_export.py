@@ -212,14 +212,15 @@ def target_fields(config: dict, fmt: str) -> tuple:
 
 
 def eagle3_state(hidden: int = 64, vocab: int = 512, draft: int = 128) -> tuple[dict, dict]:
-    """A random EAGLE-3 state dict in the writers' generic names, with the stories260K layer's shapes."""
+    """A random EAGLE-3 state dict in the writers' generic names, with the stories260K layer's shapes; draft id d is
+    target id 3d (d2t holds the difference, t2d marks the target ids)."""
     decoder = dict(hidden_size=hidden, intermediate_size=172, num_attention_heads=8, num_key_value_heads=4, head_dim=8,
                    rms_norm_eps=1e-5, max_position_embeddings=512, hidden_act="silu",
                    rope_parameters={"rope_type": "default", "rope_theta": 10000.0})
     g = torch.Generator().manual_seed(3)
     r = lambda *shape: torch.randn(*shape, generator=g)  # noqa: E731
     state = {"fc.weight": r(hidden, 3 * hidden), "norm.weight": r(hidden), "lm_head.weight": r(draft, hidden),
-             "d2t": torch.arange(draft) * 2, "t2d": torch.zeros(vocab, dtype=torch.bool),
+             "d2t": torch.arange(draft) * 2, "t2d": torch.isin(torch.arange(vocab), torch.arange(draft) * 3),
              "layer.self_attn.qkv_proj.weight": r(128, 2 * hidden), "layer.self_attn.o_proj.weight": r(hidden, 64),
              "layer.mlp.gate_up_proj.weight": r(344, hidden), "layer.mlp.down_proj.weight": r(hidden, 172),
              "layer.input_layernorm.weight": r(hidden), "layer.hidden_norm.weight": r(hidden),
