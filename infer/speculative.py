@@ -183,11 +183,15 @@ class Drafter:
         last_rows = torch.tensor(q_lens).cumsum(0) - 1  # [B] each span's last row in the packed batch
         out = self._forward(
             input_ids, [s.page_table.pages for s, _, _ in spans], q_lens, [end for _, _, end in spans],
-            torch.cat(hidden_rows) if hidden_rows else None, last_rows.to(self.device),
+            self.target_input(torch.cat(hidden_rows)) if hidden_rows else None, last_rows.to(self.device),
         )
         for i, (seq, _, end) in enumerate(spans):
             hidden = out.hidden_states[int(last_rows[i])] if self.needs_hidden_states else None
             self._states[seq.request_id] = DraftState(end, out.logits[i], hidden)
+
+    def target_input(self, target_hidden: Tensor) -> Tensor:
+        """The target's hidden states as the drafter reads them (an MTP head may want them after the final norm)."""
+        return target_hidden
 
     def propose(
         self, seqs: list[Sequence], k: int, sampling: SamplingTensors, generators: list[torch.Generator]
@@ -238,6 +242,9 @@ class MTPDrafter(Drafter):
     token_shift = 1
     needs_hidden_states = True
 
+    def target_input(self, target_hidden: Tensor) -> Tensor:
+        return self.runner.model.target_input(target_hidden)  # MTPHead: the target's final norm for post_norm heads
+
     def catch_up_verified(self, seqs: list[Sequence], verify_ids: Tensor, emitted: Tensor, num_emitted: Tensor,
                           target_hidden: Tensor) -> None:
         """The "verified" schedule: run over all K+1 verified positions before the host knows how many were
@@ -252,7 +259,7 @@ class MTPDrafter(Drafter):
         own_tokens = torch.where(emitted >= 0, emitted, verify_ids)  # [B, K+1]: past the emitted ones, any token
         last_rows = torch.arange(batch, device=self.device) * width + num_emitted - 1  # [B] the carry's rows
         out = self._forward_verified(own_tokens.flatten(), [s.page_table.pages for s in seqs], first, width,
-                                     target_hidden.flatten(0, 1), last_rows)
+                                     self.target_input(target_hidden.flatten(0, 1)), last_rows)
         carried_hidden = out.hidden_states[last_rows]  # [B, H]
         counts = num_emitted.tolist()  # the step's host read, after the head's forward was launched
         for i, seq in enumerate(seqs):

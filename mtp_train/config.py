@@ -31,6 +31,8 @@ class HeadConfig:
     final_norm: bool = True
     layer_input_norm: bool = True
     proj_bias: bool = False
+    hidden_state: str = field(default="pre_norm", metadata=one_of("pre_norm", "post_norm"))
+    mlp: str = field(default="dense", metadata=one_of("dense", "moe"))  # "moe": DeepSeek-V2 targets only
     init: str = field(default="from_target_last_layer", metadata=one_of("from_target_last_layer", "random"))
     loss: HeadLoss = field(default_factory=HeadLoss)
 

@@ -1,14 +1,27 @@
-"""Export a head for another runtime, and read every export back into infer's MTPHead.
+"""Export a head for vLLM or SGLang, and read every export back into infer's MTPHead.
 
-    python -m mtp_train.export --head DIR --format {runtime,sglang-nextn,eagle} --out DIR [--target DIR] [--overwrite]
+    python -m mtp_train.export --head DIR --format {runtime,eagle,sglang-nextn} --out DIR [--target DIR] [--overwrite]
 
 Every format is a folder with config.json and model.safetensors, written atomically, holding no embedding or
-lm_head tensor (those are the target's). Each config.json names the target and carries the head's MTPHeadConfig
-("mtp_head"), so `load_export(dir, target)` rebuilds the same function and refuses a target it was not trained for.
-  runtime       infer's head folder (`save_head`), what `Engine.load_drafter("mtp", DIR)` reads
-  sglang-nextn  DeepSeek-V3's NextN (MTP) layout, all under model.layers.0 (heads with every norm, no bias)
-  eagle         EAGLE-1/2's layout: fc + layers.0 (Llama decoders); deviations from EAGLE-1 listed in config.json
-docs/export_formats.md has each layout's names, the concatenation order, and which hidden state each engine feeds.
+lm_head tensor (those are the target's). Each config.json names the target, carries the head's MTPHeadConfig
+("mtp_head") and the target's max_position_embeddings, rope settings and vocab_size, so `load_export(dir, target)`
+rebuilds the same function and refuses a target it was not trained for. A head is exported only where the engine
+feeds it the hidden state it was trained on and builds the function it computes; otherwise ExportError says why.
+
+  runtime       infer's head folder (`save_head`); served here: python -m infer.generate --model TARGET --spec mtp
+                --draft DIR. The only path for MTP heads of Llama targets: no engine serves them (SGLang's NextN
+                builds DeepSeek layers, vLLM's MTP classes are per architecture).
+  eagle         EAGLE-1/2 (fc + layers.0): SGLang LlamaForCausalLMEagle (--speculative-algorithm EAGLE) and vLLM
+                EagleLlamaForCausalLM (method "eagle"). Heads with head.hidden_state=post_norm, no norms, no
+                projection bias, Llama decoders (conf head=eagle1 with head.proj_bias=false).
+  sglang-nextn  DeepSeek NextN (model.layers.0): SGLang DeepseekV3ForCausalLMNextN (--speculative-algorithm NEXTN).
+                DeepSeek-V2 heads with head.mlp=moe and head.hidden_state=post_norm.
+  prepared for EAGLE-3 heads (functions over a generic state dict; no CLI format until infer has such a head):
+  eagle3        write_eagle3: SafeAILab/SGLang layout (midlayer), SGLang LlamaForCausalLMEagle3
+  speculators   write_speculators: vLLM's speculators config (speculators_model_type eagle3), vLLM >= the
+                version with vllm/transformers_utils/configs/speculators, and the speculators 0.9.0 package
+The versions and commits each rule was read from: docs/engine_loaders.md (mtp_train/engine_loaders.py checks
+them); layouts and conventions: docs/export_formats.md.
 --out must be a new or empty folder, or (with --overwrite) hold an earlier export and nothing else.
 """
 
@@ -23,11 +36,13 @@ from pathlib import Path
 import torch
 from safetensors.torch import load_file, save_file
 from torch import nn
+from transformers import LlamaConfig, PretrainedConfig
 
 from infer.atomic_io import atomic_folder
 from infer.cli import CliError, run_cli
 from infer.loader import load_model
 from infer.models.llama import fused_rows
+from mtp_train.engine_loaders import engine_layer_ids, loaders
 from infer.models.mtp_head import (
     HEAD_FILES,
     HeadLoadError,
@@ -42,32 +57,40 @@ from infer.models.mtp_head import (
     save_head,
 )
 
-FORMATS = ("runtime", "sglang-nextn", "eagle")
-EXPORT_VERSION = 1
-HIDDEN_STATE = "target's last decoder layer output, before the final norm"
+FORMATS = ("runtime", "eagle", "sglang-nextn")  # what the CLI writes from an MTP head
+EXPORT_VERSION = 2
+HIDDEN_STATES = {"pre_norm": "target's last decoder layer output, before the final norm",
+                 "post_norm": "target's last decoder layer output, after the final norm"}
 NEXTN_PREFIX = "model.layers.0"
 # Our module -> its name in each format (the decoder layer's tensors also get HF split names).
 MODULE_NAMES = {
     "sglang-nextn": {"enorm": f"{NEXTN_PREFIX}.enorm", "hnorm": f"{NEXTN_PREFIX}.hnorm",
                      "eh_proj": f"{NEXTN_PREFIX}.eh_proj", "final_norm": f"{NEXTN_PREFIX}.shared_head.norm",
                      "layer": NEXTN_PREFIX},
-    "eagle": {"enorm": "enorm", "hnorm": "hnorm", "eh_proj": "fc", "final_norm": "norm", "layer": "layers.0"},
+    "eagle": {"eh_proj": "fc", "layer": "layers.0"},
 }
+# A generic EAGLE-3 state dict (fc, layer.*, norm, lm_head, d2t, t2d; see eagle3_tensors) -> each layout's layer name
+EAGLE3_LAYER = {"eagle3": "midlayer", "speculators": "layers.0"}
 FUSED = {"self_attn.qkv_proj": ("q_proj", "k_proj", "v_proj"), "mlp.gate_up_proj": ("gate_proj", "up_proj")}
 
 
 class ExportError(ValueError):
-    """A head that the requested format cannot represent; the message says why."""
+    """A head that the requested format cannot represent or its engines would not serve as is; says why."""
 
 
 # --- name and layout mapping ----------------------------------------------------------------------------------------
 def split_layer(layer_state: dict[str, torch.Tensor], config: MTPHeadConfig) -> dict[str, torch.Tensor]:
-    """infer's decoder-layer tensors -> Hugging Face names: qkv_proj -> q/k/v_proj, gate_up_proj -> gate/up_proj.
-
-    The row ranges are infer's loader's own (`fused_rows`), so export and load are inverse by construction."""
+    """infer's decoder-layer tensors -> Hugging Face names (an MLA layer already uses the checkpoint's names)."""
     if config.decoder_type != "llama":
-        return dict(layer_state)  # infer's MLA layer already uses the checkpoint's names
-    decoder = config.decoder_config()
+        return dict(layer_state)
+    return split_fused(layer_state, config.decoder_config())
+
+
+def split_fused(layer_state: dict[str, torch.Tensor], decoder: PretrainedConfig) -> dict[str, torch.Tensor]:
+    """A Llama layer's qkv_proj -> q/k/v_proj, gate_up_proj -> gate/up_proj (split tensors pass through).
+
+    The row ranges are infer's loader's own (`fused_rows`), so export and load are inverse by construction; the
+    input width is whatever the layer has (EAGLE-3's q/k/v read 2H)."""
     out = {}
     for name, tensor in layer_state.items():
         module, param = name.rsplit(".", 1)
@@ -111,7 +134,7 @@ def fuse_layer(hf_state: dict[str, torch.Tensor], config: MTPHeadConfig, source:
 
 
 def to_format(state: dict[str, torch.Tensor], config: MTPHeadConfig, fmt: str) -> dict[str, torch.Tensor]:
-    """The head's state dict under `fmt`'s names."""
+    """The head's state dict under `fmt`'s names (check_exportable has ruled out modules a format lacks)."""
     names = MODULE_NAMES[fmt]
     layer = {name.removeprefix("layer."): t for name, t in state.items() if name.startswith("layer.")}
     out = {f"{names['layer']}.{name}": t for name, t in split_layer(layer, config).items()}
@@ -119,7 +142,7 @@ def to_format(state: dict[str, torch.Tensor], config: MTPHeadConfig, fmt: str) -
         module, param = name.split(".", 1)
         if module != "layer":
             out[f"{names[module]}.{param}"] = tensor
-    if fmt == "eagle" and "fc.bias" not in out:  # EAGLE loaders build fc with a bias: a zero one is the same function
+    if fmt == "eagle":  # SGLang builds fc with a bias and loads whatever is there: a zero one is the same function
         out["fc.bias"] = torch.zeros(config.hidden_size, dtype=out["fc.weight"].dtype)
     return out
 
@@ -130,13 +153,13 @@ def from_format(
     """Inverse of to_format: `fmt`'s names back to MTPHead's state dict."""
     names = MODULE_NAMES[fmt]
     tensors = dict(tensors)
-    if fmt == "eagle" and not config.proj_bias and "fc.bias" in tensors:
-        bias = tensors.pop("fc.bias")
-        if bool(bias.any()):
-            raise HeadLoadError(f"{source}: fc.bias is non-zero but the head config has no projection bias")
+    if fmt == "eagle" and "fc.bias" in tensors:
+        if bool(tensors.pop("fc.bias").any()):
+            raise HeadLoadError(f"{source}: fc.bias is non-zero, but vLLM drops it and the head has no bias")
     state, layer = {}, {}
+    modules = [m for m in ("enorm", "hnorm", "eh_proj", "final_norm") if m in names]
     for key, tensor in tensors.items():
-        module = next((m for m in ("enorm", "hnorm", "eh_proj", "final_norm") if key.startswith(names[m] + ".")), None)
+        module = next((m for m in modules if key.startswith(names[m] + ".")), None)
         if module is not None:
             state[f"{module}.{key.removeprefix(names[module] + '.')}"] = tensor
         elif key.startswith(names["layer"] + "."):
@@ -147,11 +170,30 @@ def from_format(
     return state
 
 
+def eagle3_tensors(state: dict[str, torch.Tensor], decoder: PretrainedConfig, fmt: str) -> dict[str, torch.Tensor]:
+    """A generic EAGLE-3 state dict -> the `fmt` layout ("eagle3" or "speculators").
+
+    state: fc.weight [H, n_aux * H_target]; layer.* a Llama layer under infer's names (qkv_proj / gate_up_proj fused
+    or split, q/k/v reading 2H) plus layer.hidden_norm.weight; norm.weight; and, with a draft vocabulary,
+    lm_head.weight [draft_vocab, H], d2t [draft_vocab] (draft id -> target id - draft id) and t2d [vocab] (bool)."""
+    layer = EAGLE3_LAYER[fmt]
+    out = {}
+    for name, tensor in split_fused({k.removeprefix("layer."): v for k, v in state.items()
+                                     if k.startswith("layer.")}, decoder).items():
+        out[f"{layer}.{name}"] = tensor
+    unknown = sorted(k for k in state if not k.startswith("layer.") and k not in
+                     ("fc.weight", "norm.weight", "lm_head.weight", "d2t", "t2d"))
+    if unknown:
+        raise ExportError(f"{unknown[0]!r} is not part of an EAGLE-3 state dict (fc, layer.*, norm, lm_head, d2t, t2d)")
+    return {**out, **{k: v for k, v in state.items() if not k.startswith("layer.")}}
+
+
 # --- configs ----------------------------------------------------------------------------------------------------------
-def decoder_fields(config: MTPHeadConfig) -> dict:
-    """The decoder's shapes with rope settings both as rope_parameters and the older rope_theta / rope_scaling."""
-    fields = {key: value for key, value in config.decoder.items() if key != "rope_parameters"}
-    rope = config.decoder.get("rope_parameters") or {}
+def decoder_fields(decoder: dict) -> dict:
+    """The decoder's shapes with rope settings both as rope_parameters and the older rope_theta / rope_scaling
+    (engines on transformers 4 read those), max_position_embeddings among them."""
+    fields = {key: value for key, value in decoder.items() if key != "rope_parameters"}
+    rope = decoder.get("rope_parameters") or {}
     fields["rope_theta"] = rope.get("rope_theta", 10000.0)
     fields["rope_scaling"] = rope if rope.get("rope_type", "default") != "default" else None
     fields["rope_parameters"] = rope or None
@@ -160,45 +202,83 @@ def decoder_fields(config: MTPHeadConfig) -> dict:
 
 def export_config(config: MTPHeadConfig, fmt: str, source: str, target_path: str | None) -> dict:
     target = {**config.target, **({"path": target_path} if target_path else {})}
-    export = {"format": fmt, "version": EXPORT_VERSION, "source": source, "hidden_state": HIDDEN_STATE}
-    common = {"hidden_size": config.hidden_size, "vocab_size": config.vocab_size, "rms_norm_eps": config.rms_norm_eps,
-              "num_hidden_layers": 1, "target": target, "mtp_head": asdict(config), "export": export}
+    export = {"format": fmt, "version": EXPORT_VERSION, "source": source,
+              "hidden_state": HIDDEN_STATES[config.hidden_state],
+              "served_by": [f"{loader.engine} {loader.cls}" for loader in loaders(fmt)]}
+    common = {**decoder_fields(config.decoder), "hidden_size": config.hidden_size, "vocab_size": config.vocab_size,
+              "rms_norm_eps": config.rms_norm_eps, "num_hidden_layers": 1, "tie_word_embeddings": False,
+              "target": target, "mtp_head": asdict(config), "export": export}
     if fmt == "sglang-nextn":
-        llama = config.decoder_type == "llama"
-        export["layout"] = (
-            "DeepSeek NextN naming with a Llama decoder layer (split q/k/v, gate/up): SGLang's "
-            "DeepseekV3ForCausalLMNextN builds an MLA + MoE layer and cannot load it as is" if llama
-            else "DeepSeek NextN naming with a DeepSeek-V2 MLA decoder layer and a dense MLP")
-        return {"architectures": ["DeepseekV3ForCausalLMNextN"], "model_type": "llama" if llama else "deepseek_v3",
-                **decoder_fields(config), **common, "num_nextn_predict_layers": 1, "decoder_type": config.decoder_type,
-                "tie_word_embeddings": False}
-    deviations = []
-    if config.layer_input_norm:
-        deviations.append("layers.0.input_layernorm.weight: the decoder layer normalises its input "
-                          "(EAGLE-1's first layer does not)")
-    if config.enorm:
-        deviations.append("enorm.weight: the embedding is RMS-normalised before fc (EAGLE-1 does not)")
-    if config.hnorm:
-        deviations.append("hnorm.weight: the hidden state is RMS-normalised before fc (EAGLE-1 does not)")
-    if config.final_norm:
-        deviations.append("norm.weight: a final norm before the target's lm_head (EAGLE-3's name; EAGLE-1 has none)")
-    export["deviations"] = deviations
-    export["layout"] = "EAGLE-1/2 (fc, layers.0), not EAGLE-3 (midlayer)"
-    return {"architectures": ["LlamaForCausalLMEagle"], "model_type": "llama", **decoder_fields(config), **common,
-            "bias": True, "tie_word_embeddings": False}
+        export["layout"] = "DeepSeek NextN: a DeepSeek-V2 MLA decoder layer with the target's MoE, as SGLang builds it"
+        return {"architectures": ["DeepseekV3ForCausalLMNextN"], "model_type": "deepseek_v2", **common,
+                "num_nextn_predict_layers": 1, "first_k_dense_replace": 0}
+    export["layout"] = "EAGLE-1/2 (fc, layers.0 without its input norm), not EAGLE-3 (midlayer)"
+    # SGLang takes the first architecture it knows; vLLM prefixes each with "Eagle" and takes EagleLlamaForCausalLM
+    return {"architectures": ["LlamaForCausalLMEagle", "LlamaForCausalLM"], "model_type": "llama", **common,
+            "bias": True}
 
 
 def check_exportable(config: MTPHeadConfig, fmt: str) -> None:
+    """Refuse a head that the format's engines would serve as another function, or feed other inputs."""
+    if fmt == "runtime":
+        return
+    post_norm = config.hidden_state == "post_norm"
     if fmt == "sglang-nextn":
+        if config.decoder_type == "llama":
+            raise ExportError("SGLang's NextN class builds a DeepSeek MLA + MoE layer and no engine has an MTP path for "
+                              "Llama targets: serve this head here (python -m infer.generate --spec mtp --draft DIR, "
+                              "format runtime)")
         problems = [f"no {name}" for name in ("enorm", "hnorm", "final_norm") if not getattr(config, name)]
         problems += ["a projection bias"] if config.proj_bias else []
         problems += ["no decoder input norm"] if not config.layer_input_norm else []
+        problems += ["a dense MLP (SGLang's NextN layer is MoE: train with head.mlp=moe)"] if config.mlp != "moe" else []
+        problems += ["pre-norm inputs (SGLang feeds NextN the target's state after its final norm: train with "
+                     "head.hidden_state=post_norm)"] if not post_norm else []
         if problems:
-            raise ExportError(f"this {config.architecture} head has {', '.join(problems)}: NextN always applies enorm, "
-                              "hnorm and shared_head.norm and its eh_proj has no bias")
-    if fmt == "eagle" and config.decoder_type != "llama":
-        raise ExportError(f"the EAGLE layout holds a Llama decoder layer; this head's decoder is "
-                          f"{config.decoder_type!r}")
+            raise ExportError(f"this {config.architecture} head has {', '.join(problems)}: NextN applies enorm, hnorm "
+                              "and shared_head.norm, has an unbiased eh_proj and an MoE layer fed post-norm states")
+    if fmt == "eagle":
+        problems = [f"a {config.decoder_type!r} decoder (the EAGLE layout holds a Llama layer)"] \
+            if config.decoder_type != "llama" else []
+        problems += [name for name in ("enorm", "hnorm", "final_norm") if getattr(config, name)]
+        problems += ["the decoder's input norm"] if config.layer_input_norm else []
+        problems += ["a projection bias (vLLM builds fc without one and drops fc.bias)"] if config.proj_bias else []
+        problems += ["pre-norm inputs (both engines feed EAGLE drafters the target's state after its final norm: "
+                     "train with head.hidden_state=post_norm)"] if not post_norm else []
+        if problems:
+            raise ExportError(f"this {config.architecture} head has {', '.join(problems)}: EAGLE-1/2 drafters in SGLang "
+                              "and vLLM have no input, layer-0 or final norms and read post-norm states (conf "
+                              "head=eagle1 head.proj_bias=false head.hidden_state=post_norm)")
+
+
+def eagle3_config(decoder: dict, target: dict, aux_layers: list[int], draft_vocab_size: int | None,
+                  norm_before_residual: bool) -> dict:
+    """config.json of the SafeAILab / SGLang EAGLE-3 layout; aux_layers are this project's (layer outputs)."""
+    ids = engine_layer_ids(aux_layers, "sglang")
+    return {"architectures": ["LlamaForCausalLMEagle3"], "model_type": "llama", **decoder_fields(decoder),
+            "num_hidden_layers": 1, "tie_word_embeddings": False, "vocab_size": target["vocab_size"],
+            "draft_vocab_size": draft_vocab_size,
+            "target_hidden_size": target["hidden_size"], "norm_before_residual": norm_before_residual,
+            "eagle_config": {"eagle_aux_hidden_state_layer_ids": ids, "use_aux_hidden_state": True},
+            "eagle_aux_hidden_state_layer_ids": ids, "target": target,
+            "export": {"format": "eagle3", "version": EXPORT_VERSION, "aux_layers": list(aux_layers)}}
+
+
+def speculators_config(algorithm: str, decoder: dict, target: dict, verifier_architectures: list[str],
+                       speculative_tokens: int, fields: dict) -> dict:
+    """vLLM's speculators config.json: the drafter's decoder as transformer_layer_config (model_type llama), one
+    greedy proposal method, the verifier by path (name_or_path, architectures) and the algorithm's own fields
+    (eagle3: draft_vocab_size, norm_before_residual, target_hidden_size, eagle_aux_hidden_state_layer_ids in
+    vLLM's convention, engine_layer_ids(..., "vllm"))."""
+    return {"speculators_model_type": algorithm, "architectures": [{"eagle3": "Eagle3Speculator"}[algorithm]],
+            "transformer_layer_config": {"model_type": "llama", **decoder_fields(decoder), "num_hidden_layers": 1,
+                                         "vocab_size": target["vocab_size"], "tie_word_embeddings": False},
+            "speculators_config": {
+                "algorithm": algorithm, "default_proposal_method": "greedy",
+                "proposal_methods": [{"proposal_type": "greedy", "speculative_tokens": speculative_tokens}],
+                "verifier": {"name_or_path": target.get("path") or target["name"],
+                             "architectures": verifier_architectures}},
+            **fields}
 
 
 # --- writing ---------------------------------------------------------------------------------------------------
@@ -238,12 +318,39 @@ def export_head(head: str | Path | MTPHead, fmt: str, out: str | Path, target: s
     if fmt == "runtime":
         return save_head(head, out, overwrite=overwrite)
     state = {name: t.detach().contiguous().cpu() for name, t in head.state_dict().items()}
-    tensors = {name: t.contiguous() for name, t in to_format(state, config, fmt).items()}
+    config_json = export_config(config, fmt, source, str(target) if target is not None else None)
+    return write_folder(out, to_format(state, config, fmt), config_json, overwrite)
+
+
+def write_folder(out: str | Path, tensors: dict[str, torch.Tensor], config_json: dict, overwrite: bool = False) -> Path:
+    """config.json + model.safetensors into `out`, atomically (infer.atomic_io: an earlier export alone is replaced)."""
+    out = Path(out)
     with atomic_folder(out, owned=HEAD_FILES, overwrite=overwrite) as tmp:
-        save_file(tensors, str(tmp / "model.safetensors"), metadata={"format": "pt"})
-        config_json = export_config(config, fmt, source, str(target) if target is not None else None)
+        save_file({k: t.detach().contiguous().cpu() for k, t in tensors.items()}, str(tmp / "model.safetensors"),
+                  metadata={"format": "pt"})
         (tmp / "config.json").write_text(json.dumps(config_json, indent=2) + "\n")
     return out
+
+
+def write_eagle3(out: str | Path, state: dict[str, torch.Tensor], decoder: dict, target: dict, aux_layers: list[int],
+                 draft_vocab_size: int | None = None, norm_before_residual: bool = False,
+                 overwrite: bool = False) -> Path:
+    """An EAGLE-3 head (a generic state dict, see eagle3_tensors) in the SafeAILab / SGLang layout."""
+    tensors = eagle3_tensors(state, LlamaConfig(**decoder), "eagle3")
+    return write_folder(out, tensors, eagle3_config(decoder, target, aux_layers, draft_vocab_size,
+                                                    norm_before_residual), overwrite)
+
+
+def write_speculators(out: str | Path, state: dict[str, torch.Tensor], decoder: dict, target: dict,
+                      verifier_architectures: list[str], aux_layers: list[int], speculative_tokens: int,
+                      draft_vocab_size: int | None = None, norm_before_residual: bool = False,
+                      overwrite: bool = False) -> Path:
+    """An EAGLE-3 head in vLLM's speculators format (speculators_model_type eagle3)."""
+    fields = {"draft_vocab_size": draft_vocab_size or target["vocab_size"], "norm_before_residual": norm_before_residual,
+              "target_hidden_size": target["hidden_size"],
+              "eagle_aux_hidden_state_layer_ids": engine_layer_ids(aux_layers, "vllm")}
+    config_json = speculators_config("eagle3", decoder, target, verifier_architectures, speculative_tokens, fields)
+    return write_folder(out, eagle3_tensors(state, LlamaConfig(**decoder), "speculators"), config_json, overwrite)
 
 
 # --- reading back ----------------------------------------------------------------------------------------------

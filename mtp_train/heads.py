@@ -3,7 +3,9 @@
 Architectures (conf/head/*.yaml; each norm and the projection bias can still be overridden to measure them):
   mtp     h'_i = layer(W [enorm(Emb(t_{i+1})); hnorm(h_i)]), final_norm, then the target's lm_head
   eagle1  h'_i = layer(W [Emb(t_{i+1}); h_i] + b), no norms, as EAGLE-1
-The decoder layer is of the target's kind: a Llama layer, or for DeepSeek-V2 an MLA layer with a dense MLP.
+The decoder layer is of the target's kind: a Llama layer, or for DeepSeek-V2 an MLA layer with a dense MLP (or
+the target's MoE, head.mlp=moe). head.hidden_state=post_norm feeds the head norm(h_i), the target's final norm
+applied to the stored states (no new precompute), as the runtime does at serving.
 
 Initialisation (`head.init`):
   eh_proj     [0 | I] (and a zero bias): the head starts by passing h_i through and ignoring the token. The
@@ -13,7 +15,8 @@ Initialisation (`head.init`):
               layer sees h_i at unit RMS; its own input_layernorm makes the scale irrelevant to attention/MLP.)
   layer       from_target_last_layer: a copy of the target's last decoder layer, read by name from its
               safetensors (DeepSeek-V2: attention of the last layer, the dense MLP of the first dense layer,
-              since the last layer is MoE); random: N(0, initializer_range) weights, zero biases, unit norms.
+              since the last layer is MoE; with head.mlp=moe the whole last layer, experts and router included);
+              random: N(0, initializer_range) weights, zero biases, unit norms.
   final_norm  the target's final norm weight (from_target_last_layer), else ones; enorm/hnorm: ones.
 """
 
@@ -26,6 +29,7 @@ from omegaconf import DictConfig
 from torch import nn
 from transformers import PretrainedConfig
 
+from infer.models.deepseek_v2 import DeepseekV2ForCausalLM, DeepseekV2MLP
 from infer.models.mtp_head import MTPHead, MTPHeadConfig, head_config_for, target_identity
 from mtp_train.target import Target, TargetError, read_tensors
 
@@ -36,7 +40,8 @@ def head_config(config: PretrainedConfig, head_cfg: DictConfig, identity: dict) 
     """MTPHeadConfig for a target config and a conf/head entry (its switches as given, not the defaults).
 
     head.architecture and head.init were checked when the config was composed (mtp_train.config.HeadConfig)."""
-    return head_config_for(config, identity, head_cfg.architecture, **{name: head_cfg[name] for name in SWITCHES})
+    return head_config_for(config, identity, head_cfg.architecture, head_cfg.hidden_state, head_cfg.mlp,
+                           **{name: head_cfg[name] for name in SWITCHES})
 
 
 def build_head(target: Target, head_cfg: DictConfig, path: str, dtype: torch.dtype = torch.float32) -> MTPHead:
@@ -67,10 +72,18 @@ def layer_state_from_checkpoint(path: str, config: PretrainedConfig, layer: nn.M
     if config.model_type == "llama":
         sources = {name: [f"model.layers.{last}.{n}" for n in _checkpoint_names(name)] for name, _ in layer.named_parameters()}
     else:
-        dense = 0  # DeepSeek-V2 layers before first_k_dense_replace are dense; the last one is MoE
-        sources = {name: [f"model.layers.{dense if name.startswith('mlp.') else last}.{name}"]
+        # DeepSeek-V2 layers before first_k_dense_replace are dense, the last one is MoE: a dense head MLP comes
+        # from layer 0, an MoE one (head.mlp=moe) with the rest of the last layer
+        mlp_source = 0 if isinstance(layer.mlp, DeepseekV2MLP) else last
+        sources = {name: [f"model.layers.{mlp_source if name.startswith('mlp.') else last}.{name}"]
                    for name, _ in layer.named_parameters()}
-    tensors = read_tensors(Path(path), {key for keys in sources.values() for key in keys}, torch.float32)
+    wanted = {key for keys in sources.values() for key in keys}
+    if config.model_type != "llama":  # transformers-5 checkpoints fuse each MoE layer's experts: split as infer does
+        wanted |= {f"model.layers.{last}.mlp.experts.{kind}" for kind in ("gate_up_proj", "down_proj")}
+    tensors = read_tensors(Path(path), wanted, torch.float32)
+    if config.model_type != "llama":
+        tensors = {name: t for key, value in tensors.items()
+                   for name, t in DeepseekV2ForCausalLM.checkpoint_renames(key, value, config)}
     missing = sorted(key for keys in sources.values() for key in keys if key not in tensors)
     if missing:
         raise TargetError(f"{path}: checkpoint lacks {', '.join(missing[:4])} for head.init=from_target_last_layer")

@@ -5,7 +5,7 @@ the checkpoint's safetensors (`safe_open`, one tensor at a time); no decoder lay
 lm_head are held once: with tied embeddings lm_head's weight *is* the embedding tensor. They are frozen and
 wrapped in infer's `SharedTargetWeights`, which a head references without registering, so they are never in
 the optimizer, in `head.parameters()` or in any checkpoint. The target's final norm (also frozen) turns stored
-hidden states back into the target's next-token distribution.
+hidden states back into the target's next-token distribution, and into a post_norm head's input.
 """
 
 from __future__ import annotations
@@ -20,6 +20,7 @@ from torch import nn
 from transformers import AutoConfig, PretrainedConfig
 
 from infer.loader import load_config, safetensors_files
+from infer.models.common import RMSNorm
 from infer.models.mtp_head import SharedTargetWeights, shared_tensors_sha256
 
 EMBED_KEY, LM_HEAD_KEY, NORM_KEY = "model.embed_tokens.weight", "lm_head.weight", "model.norm.weight"
@@ -83,4 +84,6 @@ def load_target(model_cfg: DictConfig, dtype: torch.dtype, device: torch.device 
     embed.weight = nn.Parameter(tensors[EMBED_KEY], requires_grad=False)
     lm_head = nn.Linear(hidden, vocab, bias=False, device="meta")
     lm_head.weight = embed.weight if tied else nn.Parameter(tensors[LM_HEAD_KEY], requires_grad=False)
-    return Target(str(model_cfg.name), config, SharedTargetWeights(embed, lm_head), tensors[NORM_KEY], sha)
+    norm = RMSNorm(hidden, float(config.rms_norm_eps))  # frozen too: a post_norm head reads norm(h_i)
+    norm.weight = nn.Parameter(tensors[NORM_KEY], requires_grad=False)
+    return Target(str(model_cfg.name), config, SharedTargetWeights(embed, lm_head, norm), tensors[NORM_KEY], sha)

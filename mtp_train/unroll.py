@@ -58,14 +58,15 @@ class UnrolledHead(nn.Module):
         device = batch.input_ids.device
         stats = torch.zeros(self.num_steps, 4, device=device)
         loss = torch.zeros((), device=device)
-        hidden = batch.hidden_states  # step 0 reads the target's h_i
+        fed = head.target_input(batch.hidden_states)  # the target's h_i as the head reads them (post_norm: normed)
+        hidden = fed  # step 0 reads the target's h_i
         no_logits = torch.empty(0, dtype=torch.long, device=device)
         for k, step in enumerate(unroll_plan(batch.seq_lens, self.num_steps, device)):
             attn = PackedCausalAttention(step.seq_lens)
             kv_caches = [(None, None)] if head.mla else [None]
             out = head(batch.input_ids[step.token_index], step.positions, attn, kv_caches, no_logits,
                        hidden_states=hidden[step.prev_index])
-            target_hidden = batch.hidden_states[step.token_index]
+            target_hidden = batch.hidden_states[step.token_index]  # pre-norm: distill_loss applies the norm
             token_weight = batch.loss_mask[step.token_index].float()
             scale = w.step_decay**k / normalisers[k].clamp(min=1)
             kl_ce, step_stats = distill_loss(
@@ -73,7 +74,7 @@ class UnrolledHead(nn.Module):
                 self.eps, w.kl, w.ce, w.chunk_tokens,
             )
             with torch.set_grad_enabled(torch.is_grad_enabled() and w.feature != 0):  # reported even when unweighted
-                feat = feature_loss(out.hidden_states, target_hidden, token_weight)
+                feat = feature_loss(out.hidden_states, fed[step.token_index], token_weight)
             loss = loss + scale * (kl_ce + w.feature * feat if w.feature != 0 else kl_ce)
             stats[k] = torch.cat((step_stats, feat.detach()[None]))
             hidden = out.hidden_states

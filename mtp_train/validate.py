@@ -61,7 +61,7 @@ def aligned_logits(model: nn.Module, head: MTPHead, token_ids: list[int]) -> tup
     positions = torch.arange(len(token_ids), device=device)
     target_out = model(ids, positions, PackedCausalAttention([len(token_ids)]), [None] * len(model.model.layers))
     head_out = head(ids[1:], positions[:-1], PackedCausalAttention([len(token_ids) - 1]), [None],
-                    hidden_states=target_out.hidden_states[:-1])
+                    hidden_states=head.target_input(target_out.hidden_states[:-1]))
     return head_out.logits, target_out.logits[1:]
 
 

@@ -54,7 +54,10 @@ def test_export_carries_the_reports_recommendation_and_generate_uses_it(tmp_path
     assert config.recommended_k == {"1": 3, "8": 2, "32": 1}
     assert [config.num_draft_tokens_for(b) for b in (1, 4, 8, 31, 32, 64)] == [3, 3, 2, 2, 1, 1]
     assert read_head_config(head).recommended_k == {}  # the source head is left as it was
-    eagle = json.loads((export_head(head, "eagle", tmp_path / "eagle", report=report) / "config.json").read_text())
+    from tests.test_export import eagle_head  # noqa: PLC0415 - a head the eagle format takes
+
+    servable = save_head(eagle_head(stories_model, perturbed=False), tmp_path / "eagle_head")
+    eagle = json.loads((export_head(servable, "eagle", tmp_path / "eagle", report=report) / "config.json").read_text())
     assert eagle["mtp_head"]["recommended_k"] == {"1": 3, "8": 2, "32": 1}
     bad = tmp_path / "bad.json"
     bad.write_text("{}")

@@ -215,6 +215,13 @@ def test_deepseek_target_head_init_and_training_step(tmp_path):
     for name, value in head.layer.state_dict().items():
         source = reference.model.layers[0 if name.startswith("mlp.") else 2].state_dict()[name]
         torch.testing.assert_close(value, source, rtol=0, atol=0, msg=name)
+    moe = build_head(target, compose([f"model.path={tmp_path}", "head.mlp=moe"]).head, str(tmp_path))
+    last = reference.model.layers[2].state_dict()  # head.mlp=moe: the whole last layer, router and experts too
+    assert sorted(moe.layer.state_dict()) == sorted(last) and "mlp.experts.3.down_proj.weight" in last
+    for name, value in moe.layer.state_dict().items():
+        torch.testing.assert_close(value, last[name], rtol=0, atol=0, msg=name)
+    with pytest.raises(ConfigError, match="head.mlp must be one of dense, moe"):
+        compose([f"model.path={tmp_path}", "head.mlp=sparse"])
     model = UnrolledHead(head, target.norm_weight, target.eps, 2, LossWeights(ce=0.1, chunk_tokens=5))
     batch = PackedBatch(torch.randint(0, 96, (15,)), torch.randn(15, 32), torch.ones(15, dtype=torch.bool), [9, 6], [0, 1])
     before = head.layer.self_attn.kv_b_proj.weight.clone()

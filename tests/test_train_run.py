@@ -233,3 +233,53 @@ def test_a_planted_checkpoint_never_runs_code(tmp_path, one_process, features, s
     assert result.returncode == 2 and "cannot be loaded safely" in result.stderr, result.stderr[-2000:]
     assert result.stderr.strip().splitlines()[-1].startswith("error: ") and "Traceback" not in result.stderr
     assert not marker.exists()
+
+
+@pytest.fixture(scope="session")
+def tiny_deepseek(tmp_path_factory, stories_hf_dir) -> Path:
+    """A tiny DeepSeek-V2 target (MLA, 4 routed experts + 1 shared, the first layer dense) with stories260K's
+    tokenizer, saved by transformers."""
+    from transformers import DeepseekV2Config  # noqa: PLC0415
+    from transformers import DeepseekV2ForCausalLM as HFDeepseekV2  # noqa: PLC0415
+
+    torch.manual_seed(0)
+    config = DeepseekV2Config(vocab_size=512, hidden_size=32, intermediate_size=48, moe_intermediate_size=16,
+                              num_hidden_layers=2, num_attention_heads=4, kv_lora_rank=16, q_lora_rank=None,
+                              qk_nope_head_dim=8, qk_rope_head_dim=4, v_head_dim=8, n_routed_experts=4,
+                              num_experts_per_tok=2, n_shared_experts=1, first_k_dense_replace=1,
+                              max_position_embeddings=512, bos_token_id=1, eos_token_id=2)
+    out = tmp_path_factory.mktemp("tiny_dsv2")
+    HFDeepseekV2(config).save_pretrained(out)
+    for name in ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json"):
+        shutil.copy(stories_hf_dir / name, out / name)
+    return out
+
+
+def test_deepseek_moe_head_trains_with_deepspeed_and_exports_as_sglang_builds_nextn(tmp_path, tiny_deepseek):
+    """Features precomputed for the tiny DeepSeek-V2 target, a ZeRO-2 run of its NextN-shaped head (the target's MoE,
+    post-norm inputs), and the exported head: SGLang's NextN names and shapes, reloading to the trained weights."""
+    from infer.loader import load_model  # noqa: PLC0415
+    from infer.models.mtp_head import load_head  # noqa: PLC0415
+    from mtp_train.engine_loaders import check, loaders  # noqa: PLC0415
+    from mtp_train.export import export_head, load_export  # noqa: PLC0415
+
+    features = tmp_path / "features"
+    subprocess.run([sys.executable, "-m", "data_tools.precompute", f"output_dir={features}", "data=sharegpt_dummy",
+                    "data.limit=24", "precompute.dtype=float32", f"model.path={tiny_deepseek}", "--no-progress"],
+                   cwd=ROOT, env=_env(), check=True, capture_output=True, timeout=240)
+    out = tmp_path / "run"
+    _train(out, features, tiny_deepseek, ["model.name=tiny_dsv2", "head.mlp=moe", "head.hidden_state=post_norm",
+                                          "trainer.max_steps=3", "trainer.eval_every=0", "trainer.save_every=0",
+                                          "eval_records=4", "model.validate_in_training=false"])
+    steps = _train_steps(out)
+    assert sorted(steps) == [1, 2, 3] and all(r["loss"] > 0 for r in steps.values())
+    target = load_model(tiny_deepseek)
+    head = load_head(out / "head", target)
+    assert head.config.mlp == "moe" and head.config.hidden_state == "post_norm"
+    assert sorted(head.layer.mlp.experts) == ["0", "1", "2", "3"]
+    nextn = export_head(out / "head", "sglang-nextn", tmp_path / "nextn", target=tiny_deepseek)
+    [sglang] = [loader for loader in loaders("sglang-nextn") if loader.engine == "sglang"]
+    assert check(nextn, sglang) == []
+    reloaded = load_export(nextn, target)
+    for name, tensor in head.state_dict().items():
+        assert torch.equal(reloaded.state_dict()[name], tensor), name

@@ -15,6 +15,7 @@
 from __future__ import annotations
 
 import copy
+import dataclasses
 import json
 import math
 from pathlib import Path
@@ -176,3 +177,46 @@ def test_cli_user_mistakes_are_one_line_errors(stories_model, stories_hf_dir, tm
     import re
 
     assert re.search(message, err), err
+
+
+@pytest.mark.parametrize("hidden_state", ["pre_norm", "post_norm"])
+def test_training_validation_and_serving_feed_a_head_the_same_hidden_state(stories_model, stories_hf_dir,
+                                                                          hidden_state):
+    """The trainer's top-1 and KL (UnrolledHead on the stored pre-norm states), validation's recomputed ones and the
+    drafter's carry in the engine are one function for either input; feeding the other state changes the logits."""
+    from mtp_train.config import compose_training  # noqa: PLC0415
+    from mtp_train.data import PackedBatch  # noqa: PLC0415
+    from mtp_train.heads import build_head  # noqa: PLC0415
+    from mtp_train.target import load_target  # noqa: PLC0415
+    from mtp_train.unroll import LossWeights, UnrolledHead  # noqa: PLC0415
+    from mtp_train.validate import head_loss  # noqa: PLC0415
+    from infer.attention import PackedCausalAttention  # noqa: PLC0415
+
+    cfg = compose_training([f"model.path={stories_hf_dir}", f"head.hidden_state={hidden_state}"], complete=False)
+    target = load_target(cfg.model, torch.float32)
+    head = build_head(target, cfg.head, str(stories_hf_dir))
+    with torch.no_grad():
+        for param in head.parameters():
+            param.add_(0.05 * torch.randn(param.shape, generator=torch.Generator().manual_seed(4)))
+    ids = torch.randint(3, 512, (40,), generator=torch.Generator().manual_seed(5))
+    stored = stories_model(ids, torch.arange(40), PackedCausalAttention([40]), [None] * 5).hidden_states
+    objective = UnrolledHead(head, target.norm_weight, target.eps, 1, LossWeights(kl=1.0, ce=0.0))
+    with torch.no_grad():
+        _, stats = objective(PackedBatch(ids, stored, torch.ones(40, dtype=torch.bool), [40], [0]), torch.tensor([39.]))
+    served = serving_head(head, stories_model)
+    assert served.config.hidden_state == hidden_state
+    recomputed = head_loss(stories_model, served, [ids.tolist()])
+    assert recomputed["positions"] == 39
+    assert stats[0, 2].item() / 39 == recomputed["top1"]
+    assert stats[0, 0].item() / 39 == pytest.approx(recomputed["kl"], rel=1e-5)
+
+    engine = Engine(stories_model, config=EngineConfig(num_pages=16, num_draft_tokens=2))
+    engine.attach_drafter("mtp", served)
+    request = engine.add_request(ids[:12].tolist(), SamplingParams(max_new_tokens=2, ignore_eos=True))
+    engine.step()  # prefill; the drafter catches up over positions 0..11
+    head_logits, _ = aligned_logits(stories_model, served, request.token_ids)
+    carry = engine.drafter.carried_logits(request.request_id)
+    torch.testing.assert_close(head_logits[-1], carry, atol=1e-5, rtol=1e-5)
+    other = "pre_norm" if hidden_state == "post_norm" else "post_norm"
+    served.config = dataclasses.replace(served.config, hidden_state=other)
+    assert (aligned_logits(stories_model, served, request.token_ids)[0][-1] - carry).abs().max() > 1e-3

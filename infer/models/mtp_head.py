@@ -1,14 +1,16 @@
 """The MTP draft head (DeepSeek-V3 style) as the runtime serves it, and the head folder format.
 
 At position i the head reads the next token t_{i+1} and the target's hidden state h_i (its last layer's
-output before the final norm) and predicts t_{i+2}:
+output before the final norm, or after it for `hidden_state="post_norm"`: what vLLM and SGLang feed EAGLE-1/2
+and NextN drafters) and predicts t_{i+2}:
 
     x_i  = eh_proj([enorm(Emb(t_{i+1})) ; hnorm(h_i)])       # concat, embedding first, then project 2H -> H
     h'_i = decoder_layer(x_i)                                  # one layer of the target's kind, own KV cache
     p    = softmax(lm_head(final_norm(h'_i)))
 
 The decoder layer is a Llama layer, or for a DeepSeek-V2 target (`decoder_type="deepseek_v2"`) an MLA layer
-with a dense MLP (its cache holds the compressed latent and the rope key, as the target's does).
+with a dense MLP, or with the target's MoE (`mlp="moe"`: the layer SGLang's NextN and vLLM's DeepSeek MTP build);
+its cache holds the compressed latent and the rope key, as the target's does.
 Emb and lm_head are the target's own tensors, used in place (never copied, never saved with the head).
 h'_i stands in for the target's h_{i+1} when the head drafts a second token. Each norm can be switched off
 (EAGLE-1 has none and adds a bias to the projection) so their effect can be measured.
@@ -41,13 +43,17 @@ from infer.parallel import whole_weight
 
 HEAD_FORMAT_VERSION = 1
 ARCHITECTURES = ("mtp", "eagle1")
+HIDDEN_STATES = ("pre_norm", "post_norm")  # which of the target's last-layer states the head reads (MTPHeadConfig)
+MLPS = ("dense", "moe")  # a DeepSeek-V2 head's MLP: one dense MLP, or the target's routed + shared experts
 # The target config fields a head's decoder layer copies, per decoder type.
 DECODER_KEYS = {
     "llama": ("hidden_size", "intermediate_size", "num_attention_heads", "num_key_value_heads", "head_dim",
               "rms_norm_eps", "max_position_embeddings", "attention_bias", "mlp_bias", "hidden_act"),
     "deepseek_v2": ("hidden_size", "intermediate_size", "num_attention_heads", "num_key_value_heads", "q_lora_rank",
                     "kv_lora_rank", "qk_nope_head_dim", "qk_rope_head_dim", "v_head_dim", "rms_norm_eps",
-                    "max_position_embeddings", "attention_bias", "hidden_act"),
+                    "max_position_embeddings", "attention_bias", "hidden_act", "moe_intermediate_size",
+                    "n_routed_experts", "n_shared_experts", "num_experts_per_tok", "topk_method", "n_group",
+                    "topk_group", "routed_scaling_factor", "norm_topk_prob", "scoring_func", "moe_layer_freq"),
 }
 
 
@@ -71,6 +77,10 @@ class MTPHeadConfig:
     format_version: int = HEAD_FORMAT_VERSION
     decoder_type: str = "llama"  # "llama" or "deepseek_v2" (MLA attention, dense MLP)
     recommended_k: dict = field(default_factory=dict)  # batch size -> K, from a validation (mtp_train.export --report)
+    # "pre_norm": h_i is the target's last-layer output as the runtime returns it; "post_norm": after the target's
+    # final norm, as vLLM and SGLang feed EAGLE-1/2 and NextN drafters. Later draft steps read the head's own h'.
+    hidden_state: str = "pre_norm"
+    mlp: str = "dense"  # DeepSeek-V2 decoders: "dense" or "moe" (the target's experts, as NextN builds its layer)
 
     def num_draft_tokens_for(self, batch_size: int) -> int | None:
         """The recommended K at the largest measured batch size <= batch_size (the smallest one below them all)."""
@@ -81,20 +91,28 @@ class MTPHeadConfig:
         return int(self.recommended_k[str(fitting[-1])])
 
     def decoder_config(self) -> PretrainedConfig:
+        if self.hidden_state not in HIDDEN_STATES:
+            raise HeadLoadError(f"hidden_state {self.hidden_state!r}: expected one of {', '.join(HIDDEN_STATES)}")
+        if self.mlp not in MLPS or (self.mlp == "moe" and self.decoder_type != "deepseek_v2"):
+            raise HeadLoadError(f"mlp {self.mlp!r} with decoder_type {self.decoder_type!r}: 'moe' needs a DeepSeek-V2 "
+                                "decoder, otherwise 'dense'")
         if self.decoder_type == "llama":
             return LlamaConfig(**self.decoder)
         if self.decoder_type == "deepseek_v2":
-            # built as layer 0 before the first MoE layer: a dense MLP of `intermediate_size` (the dense-layer width)
-            return DeepseekV2Config(**{**self.decoder, "first_k_dense_replace": 1})
+            # built as layer 0: before the first MoE layer (a dense MLP of `intermediate_size`, the dense-layer
+            # width), or, for mlp="moe", as an MoE layer like the target's
+            return DeepseekV2Config(**{**self.decoder, "first_k_dense_replace": 1 if self.mlp == "dense" else 0})
         raise HeadLoadError(f"unknown decoder_type {self.decoder_type!r}: expected 'llama' or 'deepseek_v2'")
 
 
 @dataclass
 class SharedTargetWeights:
-    """The target's embedding and output projection, referenced (not registered) so a head never saves them."""
+    """The target's embedding, output projection and final norm, referenced (not registered) so a head never saves
+    them; the norm turns the target's states into a post_norm head's input."""
 
     embed_tokens: nn.Embedding
     lm_head: nn.Linear
+    final_norm: nn.Module | None = None
 
 
 class MTPHead(nn.Module):
@@ -129,6 +147,15 @@ class MTPHead(nn.Module):
             )
         self.shared = shared
         return self
+
+    def target_input(self, target_hidden: torch.Tensor) -> torch.Tensor:
+        """The target's last-layer states [T, H] as this head reads them: through the target's final norm for a
+        post_norm head (the runtime, the trainer and validation all call this, so they feed the same input)."""
+        if self.config.hidden_state == "pre_norm":
+            return target_hidden
+        if self.shared is None or self.shared.final_norm is None:
+            raise HeadLoadError("a post_norm head needs the target's final norm: attach it with the target's weights")
+        return self.shared.final_norm(target_hidden)
 
     def init_identity_projection(self) -> None:
         """eh_proj = [0 | I] (and a zero bias): the head starts by passing h_i through and ignoring the token."""
@@ -233,11 +260,12 @@ def check_target(config: MTPHeadConfig, target: nn.Module, where: str) -> None:
 
 # --- building a head for a target ------------------------------------------------------------------------------
 def head_config_for(target_config: PretrainedConfig, identity: dict, architecture: str = "mtp",
-                    **switches: bool) -> MTPHeadConfig:
+                    hidden_state: str = "pre_norm", mlp: str = "dense", **switches: bool) -> MTPHeadConfig:
     """A head whose decoder layer is shaped like one of the target's layers.
 
     The norm and bias switches (enorm, hnorm, final_norm, proj_bias, layer_input_norm) default to the
     architecture's: mtp has every norm and an unbiased projection, eagle1 no norm and a biased one.
+    hidden_state and mlp: MTPHeadConfig's (checked when the decoder config is built).
     """
     kind = target_config.model_type
     if kind not in DECODER_KEYS:
@@ -255,11 +283,13 @@ def head_config_for(target_config: PretrainedConfig, identity: dict, architectur
     unknown = sorted(set(switches) - set(defaults))
     if unknown:
         raise HeadLoadError(f"unknown head switch {unknown[0]!r}: choose from {', '.join(defaults)}")
-    return MTPHeadConfig(
+    config = MTPHeadConfig(
         hidden_size=target_config.hidden_size, vocab_size=target_config.vocab_size, decoder=decoder,
         rms_norm_eps=float(target_config.rms_norm_eps), architecture=architecture, target=identity,
-        decoder_type=kind, **{**defaults, **switches},
+        decoder_type=kind, hidden_state=hidden_state, mlp=mlp, **{**defaults, **switches},
     )
+    config.decoder_config()  # an unknown hidden_state or mlp is refused here, naming the field
+    return config
 
 
 def init_head_from_target(target: nn.Module, target_name: str, architecture: str = "mtp") -> MTPHead:
@@ -279,7 +309,7 @@ def init_head_from_target(target: nn.Module, target_name: str, architecture: str
         head.layer.load_state_dict({k: v for k, v in target.model.layers[-1].state_dict().items() if k in wanted})
         if config.final_norm:
             head.final_norm.weight.copy_(target.model.norm.weight)
-    return head.attach(SharedTargetWeights(target.model.embed_tokens, target.lm_head))
+    return head.attach(shared_weights(target))
 
 
 # --- the head folder -----------------------------------------------------------------------------------------
@@ -349,7 +379,12 @@ def attach_to_target(head: MTPHead, target: nn.Module, dtype: torch.dtype | None
     check_target(head.config, target, where)
     param = next(target.parameters())
     head = head.to(device=param.device, dtype=dtype or param.dtype).eval().requires_grad_(False)
-    return head.attach(SharedTargetWeights(target.model.embed_tokens, target.lm_head))
+    return head.attach(shared_weights(target))
+
+
+def shared_weights(target: nn.Module) -> SharedTargetWeights:
+    """What a head uses of a loaded target: its embedding, lm_head and final norm, in place."""
+    return SharedTargetWeights(target.model.embed_tokens, target.lm_head, target.model.norm)
 
 
 def load_head(path: str | Path, target: nn.Module, dtype: torch.dtype | None = None) -> MTPHead:
