@@ -4,6 +4,7 @@
         [--max-new-tokens N] [--temperatures 0,1] [--out DIR] [--run-dir RUN_DIR]
     python -m mtp_train.validate model=stories260k output_dir=outputs/stories260k-mtp   # the trainer's config
     python -m mtp_train.validate model.path=DIR head_dir=DIR prompts=FILE.jsonl          # the same, as overrides
+    torchrun --nproc_per_node 8 -m mtp_train.validate --tp 8 --target DIR --head DIR   # a target sharded 8 ways
 
 On held-out prompts, for each temperature (greedy and T=1 by default): acceptance per draft position, tau and the
 accepted-length histogram; speculative against plain decoding timed in the same run, beside the ideal speedup
@@ -30,14 +31,15 @@ from torch import nn
 from data_tools.config import ConfigError
 from infer.attention import PackedCausalAttention
 from infer.cli import CliError, run_cli
-from infer.engine import Engine
+from infer.engine import Engine, ForwardCosts
 from infer.kv_cache import pages_needed
 from infer.loader import DTYPES
 from infer.models.mtp_head import MTPHead, attach_to_target, copy_head, load_head
 from infer.prompts import DEFAULT_PROMPTS, read_prompt_file
 from infer.sampling_params import SamplingParams
+from infer.parallel import group_of, init_tp, on_rank0, serve_forever, tp_main
 from infer.speedup import (
-    COST_CONTEXT, StepOverhead, compare, ideal_speedup, recommend_k_by_batch, timed_generate,
+    COST_CONTEXT, StepOverhead, compare, costs_engine, ideal_speedup, recommend_k_by_batch, timed_generate,
 )
 
 GAP_POINTS = 0.02  # trainer top-1 vs runtime greedy acceptance at position 0
@@ -117,8 +119,11 @@ def validate_head(
     dtype: torch.dtype = torch.float32,
     device: str | torch.device = "cpu",
     recommend_for: tuple[int, ...] = (1, 8, 32),
-) -> dict:
+) -> dict | None:
     """Speculative decoding with `head` on `prompts` through infer's Engine, plus the head's loss (module doc).
+
+    Under tensor parallelism (a target sharded over a group) every rank of the group calls this with the same
+    arguments and builds the same engines; rank 0 measures and returns the report, the others return None.
 
     target: a model folder (loaded in dtype on device) or an Engine (its model, tokenizer, stop ids and settings).
     prompts: text (the target needs a tokenizer) or token ids; None: infer.prompts.DEFAULT_PROMPTS.
@@ -144,39 +149,53 @@ def validate_head(
                  num_draft_tokens=k)
     plain, spec = served.with_config(**sizes), served.with_config(**sizes)
     spec.attach_drafter("mtp", drafter)
-    warm_up = [SamplingParams(max_new_tokens=min(max_new_tokens, k + 4), ignore_eos=True)] * len(prompt_ids)
-    timed_generate(plain, prompt_ids, warm_up)  # the batch's prefill shapes, and a few speculative steps
-    timed_generate(spec, prompt_ids, warm_up)
+    for_costs = costs_engine(spec, recommend_for) if recommend_for else None
+    tp = group_of(model)
 
-    runs, sequences_by_temperature, comparisons = [], {}, {}
-    for temperature in temperatures:
-        params = [SamplingParams(temperature=float(temperature), max_new_tokens=max_new_tokens, ignore_eos=True,
-                                 seed=seed + i) for i in range(len(prompt_ids))]
-        result = comparisons[float(temperature)] = compare(plain, spec, prompt_ids, params, repeats)
-        stats = result.stats
-        sequences_by_temperature[float(temperature)] = [r.token_ids for r in result.plain.requests]
-        runs.append({
-            "temperature": float(temperature), "tau": stats["tau"],
-            "acceptance_per_position": stats["acceptance_per_position"],
-            "conditional_acceptance": stats["conditional_acceptance"],
-            "conditional_acceptance_se": stats["conditional_acceptance_se"],
-            "accepted_length_histogram": stats["accepted_length_histogram"], "verify_steps": stats["verify_steps"],
-            "plain_tok_s": round(result.plain.tok_s, 1), "spec_tok_s": round(result.spec.tok_s, 1),
-            "speedup": round(result.speedup, 3),
-            "draft_time_s": stats["draft_time_s"], "verify_time_s": stats["verify_time_s"],
-        })
-    costs = spec.forward_costs(min(batch_size, len(prompt_ids)), COST_CONTEXT)
-    for run in runs:
-        run["ideal_speedup"] = round(ideal_speedup(run["tau"], costs, k), 3)
-        run["achieved_over_ideal"] = round(run["speedup"] / run["ideal_speedup"], 3) if run["ideal_speedup"] else None
+    def measure() -> tuple[list[dict], dict[float, list[list[int]]], dict, ForwardCosts]:
+        """The timed runs (rank 0 alone under tensor parallelism: the other ranks serve its steps)."""
+        warm_up = [SamplingParams(max_new_tokens=min(max_new_tokens, k + 4), ignore_eos=True)] * len(prompt_ids)
+        timed_generate(plain, prompt_ids, warm_up)  # the batch's prefill shapes, and a few speculative steps
+        timed_generate(spec, prompt_ids, warm_up)
 
-    greedy = next((run for run in runs if run["temperature"] == 0.0), None)
-    basis = greedy or runs[0] if runs else None
-    recommended = {}
-    if recommend_for and basis:
-        overhead = StepOverhead.measured(comparisons[basis["temperature"]], costs, k, min(batch_size, len(prompt_ids)))
-        recommended = recommend_k_by_batch(spec, basis["conditional_acceptance"], recommend_for, overhead)
+        runs, sequences_by_temperature, comparisons = [], {}, {}
+        for temperature in temperatures:
+            params = [SamplingParams(temperature=float(temperature), max_new_tokens=max_new_tokens, ignore_eos=True,
+                                     seed=seed + i) for i in range(len(prompt_ids))]
+            result = comparisons[float(temperature)] = compare(plain, spec, prompt_ids, params, repeats)
+            stats = result.stats
+            sequences_by_temperature[float(temperature)] = [r.token_ids for r in result.plain.requests]
+            runs.append({
+                "temperature": float(temperature), "tau": stats["tau"],
+                "acceptance_per_position": stats["acceptance_per_position"],
+                "conditional_acceptance": stats["conditional_acceptance"],
+                "conditional_acceptance_se": stats["conditional_acceptance_se"],
+                "accepted_length_histogram": stats["accepted_length_histogram"], "verify_steps": stats["verify_steps"],
+                "plain_tok_s": round(result.plain.tok_s, 1), "spec_tok_s": round(result.spec.tok_s, 1),
+                "speedup": round(result.speedup, 3),
+                "draft_time_s": stats["draft_time_s"], "verify_time_s": stats["verify_time_s"],
+            })
+        costs = spec.forward_costs(min(batch_size, len(prompt_ids)), COST_CONTEXT)
+        for run in runs:
+            run["ideal_speedup"] = round(ideal_speedup(run["tau"], costs, k), 3)
+            run["achieved_over_ideal"] = round(run["speedup"] / run["ideal_speedup"], 3) if run["ideal_speedup"] else None
+        basis = greedy_run(runs) or runs[0] if runs else None
+        recommended = {}
+        if for_costs is not None and basis:
+            overhead = StepOverhead.measured(comparisons[basis["temperature"]], costs, k,
+                                             min(batch_size, len(prompt_ids)))
+            recommended = recommend_k_by_batch(for_costs, basis["conditional_acceptance"], recommend_for, overhead)
+        return runs, sequences_by_temperature, recommended, costs
+
+    measured = on_rank0(measure, tp)
+    # The loss forwards are collective under tensor parallelism: every rank runs them on rank 0's sequences.
+    sequences_by_temperature = tp.broadcast_object(measured[1] if measured else None)
     by_temperature = {f"{t:g}": head_loss(model, drafter, seqs) for t, seqs in sequences_by_temperature.items()}
+    if measured is None:  # a rank > 0: rank 0 reports
+        return None
+    runs, _, recommended, costs = measured
+    greedy = greedy_run(runs)
+    basis = greedy or runs[0] if runs else None
     greedy_acceptance_0 = greedy["acceptance_per_position"][0] if greedy else None
     gap, flag = top1_gap(trainer_top1, greedy_acceptance_0)
     if flag:
@@ -190,7 +209,7 @@ def validate_head(
         "num_draft_tokens": k, "max_new_tokens": max_new_tokens, "batch_size": batch_size,
         "num_prompts": len(prompt_ids), "seed": seed, "repeats": repeats,
         "device": str(param.device), "dtype": str(param.dtype).removeprefix("torch."),
-        "threads": torch.get_num_threads(),
+        "threads": torch.get_num_threads(), "tp": tp.size,
         "runs": runs,
         "head_loss": {**merge_losses(list(by_temperature.values())), "by_temperature": by_temperature,
                       "on": "prompts + the plain engine's continuations at each temperature"},
@@ -203,6 +222,10 @@ def validate_head(
         "top1_gap": None if gap is None else round(gap, 4), "gap_flag": flag,
         "elapsed_s": round(time.perf_counter() - start, 3),
     }
+
+
+def greedy_run(runs: list[dict]) -> dict | None:
+    return next((run for run in runs if run["temperature"] == 0.0), None)
 
 
 def tokenize_prompts(served: Engine, prompts: list[str] | list[list[int]]) -> list[list[int]]:
@@ -244,6 +267,8 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu", help="cpu or cuda")
     parser.add_argument("--dtype", choices=sorted(DTYPES), default="float32", help="target and head dtype")
     parser.add_argument("--threads", type=int, help="torch intra-op threads (tiny models on a busy CPU: 1)")
+    parser.add_argument("--tp", type=int, default=1, help="tensor-parallel ranks serving the target and the head; run "
+                                                          "under torchrun --nproc_per_node TP")
     parser.add_argument("overrides", nargs="*", metavar="KEY=VALUE",
                         help="Hydra overrides of conf/config.yaml (model=..., model.path=..., output_dir=..., "
                              "head_dir=..., prompts=...)")
@@ -299,10 +324,14 @@ def main(argv: list[str] | None = None) -> int:
             raise CliError(f"--threads must be >= 1, got {args.threads}")
         torch.set_num_threads(args.threads)
     prompts = read_prompt_file(prompts_file) if prompts_file else DEFAULT_PROMPTS
+    init_tp(args.tp, args.device)  # each rank loads its shard of the target and of the head
     report = validate_head(target, head, prompts, k=args.num_draft_tokens, temperatures=temperatures,
                            max_new_tokens=args.max_new_tokens, batch_size=args.batch_size, seed=args.seed,
                            repeats=args.repeats, trainer_top1=trainer_top1, dtype=DTYPES[args.dtype],
                            device=args.device)
+    if report is None:  # a rank > 0 (it ran rank 0's steps on its shards): wait until rank 0 has reported
+        serve_forever()
+        return 0
     report["prompts"] = str(prompts_file) if prompts_file else "built-in story openings"
     if trainer_top1 is not None:
         report["trainer_top1_source"] = top1_source
@@ -312,4 +341,4 @@ def main(argv: list[str] | None = None) -> int:
 
 
 if __name__ == "__main__":
-    sys.exit(run_cli(main))
+    sys.exit(run_cli(tp_main(main)))
