@@ -56,7 +56,8 @@ class ModelConfig:
     path: str = MISSING  # the target's Hugging Face folder
     config: dict[str, Any] = field(default_factory=dict)  # the target's shapes when path has no config.json
     trainer_defaults: TrainerDefaults = field(default_factory=TrainerDefaults)
-    validate_in_training: bool = True  # serve the head with infer/ at each evaluation (needs the target on rank 0)
+    validate_in_training: bool = True  # serve the head with infer/ at each evaluation (the target on validate_tp ranks)
+    validate_tp: int = field(default=1, metadata=at_least(1))  # ranks that serve the target in validation, 1/T each
 
 
 @dataclass
@@ -83,6 +84,7 @@ class PrecomputeSettings:
     model_dtype: str = field(default="float32", metadata=one_of(*DTYPE_NAMES))
     attention_backend: str = field(default="auto", metadata=one_of("auto", "torch", "flashinfer"))
     page_size: int = field(default=16, metadata=at_least(1))
+    tp: int = field(default=1, metadata=at_least(1, max=64))  # ranks per replica; WORLD_SIZE = tp x replicas
     dry_run: bool = False
     force: bool = False
     overwrite: bool = False

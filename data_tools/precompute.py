@@ -3,12 +3,15 @@
     python -m data_tools.precompute output_dir=DIR [model=stories260k model.path=DIR] [data=sharegpt_dummy] ...
     python -m data_tools.precompute --dry-run output_dir=DIR          # the storage estimate alone
     torchrun --standalone --nproc_per_node 2 -m data_tools.precompute output_dir=DIR
+    torchrun --standalone --nproc_per_node 8 -m data_tools.precompute precompute.tp=4 ...   # 2 replicas of 4 ranks
 
 Arguments after the flags are Hydra overrides of conf/precompute.yaml (its model and data groups, conf/model/
 and conf/data/, are the trainer's; model.path is the target's Hugging Face folder). Steps:
   1. load and validate the conversations, tokenize them (loss mask on assistant tokens), print the counts;
   2. cut the record list into shards of records_per_shard records (fixed up front, so every rank and every
-     rerun agrees on what each shard holds); rank r of W computes shards r, r + W, ...;
+     rerun agrees on what each shard holds); the WORLD_SIZE ranks form D = WORLD_SIZE / precompute.tp replicas
+     of tp ranks, each holding 1/tp of the target (infer.parallel), and replica d computes shards d, d + D, ...:
+     its rank 0 runs them and writes each shard once, its other ranks run the same forwards on their shards;
   3. print the storage estimate (bytes per token x tokens) and refuse to start when the disk cannot hold it;
   4. per shard: pack its records (longest first) into variable-length batches under a token budget, run
      each through `infer/` (pages from a PagePool, `build_page_metadata`, `ModelRunner.run` with the chosen
@@ -25,6 +28,7 @@ is refused by name, never overwritten.
 from __future__ import annotations
 
 import argparse
+import functools
 import hashlib
 import json
 import os
@@ -52,6 +56,7 @@ from infer.cli import run_cli
 from infer.kv_cache import PagePool, PageTable, build_page_metadata, pages_needed
 from infer.loader import DTYPES, load_config, load_model, safetensors_files
 from infer.model_runner import ModelRunner
+from infer.parallel import init_tp, on_rank0
 
 # Tests: after this many shards, leave the next one's temp file torn (half of it) and SIGKILL the process.
 CRASH_ENV = "DATA_TOOLS_CRASH_AFTER_SHARDS"
@@ -275,11 +280,17 @@ def _crash_if_asked(written: int, f: BinaryIO) -> None:
 
 
 # --- the run ------------------------------------------------------------------------------------------
-def _distributed() -> tuple[int, int]:
-    world = int(os.environ.get("WORLD_SIZE", "1"))
-    if world > 1 and not dist.is_initialized():
-        dist.init_process_group("gloo")
-    return (dist.get_rank(), world) if world > 1 else (0, 1)
+def write_shards(extractor: FeatureExtractor, plans: list[ShardPlan], out_dir: Path, progress: bool) -> None:
+    """Compute and write `plans` (a replica's rank 0: the others run its forwards), each atomically."""
+    bar = tqdm(total=sum(p.num_tokens for p in plans), desc="precompute", unit="tok", unit_scale=True,
+               disable=not progress, dynamic_ncols=True)
+    for written, plan in enumerate(plans):
+        meta = {"format": FORMAT, "shard": plan.index, "fingerprint": plan.fingerprint,
+                "sources": [r.source for r in plan.records]}
+        with atomic_file(out_dir / plan.name) as f:
+            extractor.write_shard(f, plan.records, meta, bar)
+            _crash_if_asked(written, f)
+    bar.close()
 
 
 def _barrier(world: int) -> None:
@@ -300,7 +311,8 @@ def _validate(cfg: DictConfig, num_layers: int) -> tuple[torch.dtype, torch.dtyp
 def run(cfg: DictConfig) -> dict | None:
     """The whole precompute; returns the manifest on rank 0 (None on other ranks and for a dry run)."""
     pc = cfg.precompute
-    rank, world = _distributed()
+    tp = init_tp(int(pc.tp), pc.device, replicas=True, option=f"precompute.tp={pc.tp}")  # this rank's replica
+    rank, world = tp.global_rank, tp.size * tp.replicas
     log = (lambda msg: print(msg, file=sys.stderr, flush=True)) if rank == 0 else (lambda msg: None)
     progress = bool(pc.progress) and rank == 0
     model_dir, out_dir = Path(cfg.model.path), Path(cfg.output_dir)
@@ -335,26 +347,15 @@ def run(cfg: DictConfig) -> dict | None:
     _barrier(world)  # every rank has checked the folder before any rank writes to it
     out_dir.mkdir(parents=True, exist_ok=True)
 
-    mine = [p for p in pending if p.index % world == rank]
-    if mine:
-        device = torch.device(pc.device)
-        if device.type == "cuda" and world > 1:
-            device = torch.device("cuda", int(os.environ.get("LOCAL_RANK", rank)))
-        model = load_model(model_dir, dtype=model_dtype, device=device)
+    mine = [p for p in pending if p.index % tp.replicas == tp.replica]
+    if mine:  # every rank of the replica builds its shard of the model and the same runner
+        model = load_model(model_dir, dtype=model_dtype, device=tp.device)
         longest = max(len(r) for p in mine for r in p.records)
         extractor = FeatureExtractor(
             model, out_dtype, aux_layers, max(int(pc.max_tokens_per_batch), longest), int(pc.max_records_per_batch),
             int(pc.page_size), pc.attention_backend,
         )
-        bar = tqdm(total=sum(p.num_tokens for p in mine), desc="precompute", unit="tok", unit_scale=True,
-                   disable=not progress, dynamic_ncols=True)
-        for written, plan in enumerate(mine):
-            meta = {"format": FORMAT, "shard": plan.index, "fingerprint": plan.fingerprint,
-                    "sources": [r.source for r in plan.records]}
-            with atomic_file(out_dir / plan.name) as f:
-                extractor.write_shard(f, plan.records, meta, bar)
-                _crash_if_asked(written, f)
-        bar.close()
+        on_rank0(functools.partial(write_shards, extractor, mine, out_dir, progress), tp)
 
     _barrier(world)
     manifest = None

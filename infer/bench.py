@@ -2,6 +2,7 @@
 
     python -m infer.bench --model DIR --batch-sizes 1,8,32 --max-new-tokens 128
     python -m infer.bench --model DIR --spec mtp --draft HEAD_DIR --num-draft-tokens 1,2,3,4 --temperatures 0,1
+    torchrun --nproc_per_node 2 -m infer.bench --tp 2 --model DIR --spec mtp --draft HEAD_DIR
 
 Every figure is measured in the same run as its baseline (these machines are shared and noisy) and
 reported as a ratio. Without --spec: tokens/s of this runtime and of transformers' `generate` on the same
@@ -9,11 +10,15 @@ prompts (greedy, fixed output length). With --spec: tokens/s with and without sp
 tau (tokens per target step), and the ideal speedup predicted from the measured acceptance and the
 measured cost of a draft forward and a verify forward (`infer.speedup`), so that achieved / ideal is the share of
 the ideal the runtime's machinery keeps.
+
+--tp T (under torchrun): every rank builds the same engines, each holding its shard; rank 0 measures and prints
+while the others run its steps. Without --spec the runtime alone is timed (transformers' model is not sharded).
 """
 
 from __future__ import annotations
 
 import argparse
+import functools
 import json
 import sys
 import time
@@ -24,6 +29,7 @@ import torch
 from infer.cli import CliError, add_engine_args, engine_kwargs, run_cli
 from infer.engine import Engine, ForwardCosts
 from infer.loader import DTYPES
+from infer.parallel import attach_where_it_lives, current, init_tp, on_rank0, serve_forever, tp_main
 from infer.prompts import DEFAULT_PROMPTS, read_prompt_file
 from infer.sampling_params import SamplingParams
 from infer.speedup import COST_CONTEXT, StepOverhead, compare, ideal_speedup, recommend_k, timed_generate
@@ -69,23 +75,30 @@ def run_transformers(model, tokenizer, prompts: list[str], new_tokens: int) -> t
     return time.perf_counter() - start, (out.shape[1] - batch["input_ids"].shape[1]) * len(prompts)
 
 
-def bench_vs_transformers(args, prompts: list[str]) -> list[dict]:
+def bench_vs_transformers(args, prompts: list[str]) -> list[dict | None]:
+    """Rows on rank 0 (None on the other ranks); under tensor parallelism without transformers' columns."""
     from transformers import AutoModelForCausalLM, AutoTokenizer  # noqa: PLC0415 - the baseline only
 
-    hf_model = AutoModelForCausalLM.from_pretrained(args.model, dtype=DTYPES[args.dtype]).to(args.device).eval()
-    tokenizer = AutoTokenizer.from_pretrained(args.model)
+    hf = None
+    if current().size == 1:
+        hf = (AutoModelForCausalLM.from_pretrained(args.model, dtype=DTYPES[args.dtype]).to(args.device).eval(),
+              AutoTokenizer.from_pretrained(args.model))
     params = SamplingParams(max_new_tokens=args.max_new_tokens, ignore_eos=True)
+
+    def measure(engine: Engine, batch: list[str]) -> dict:
+        run_engine(engine, batch[:1], SamplingParams(max_new_tokens=4, ignore_eos=True))  # warm-up
+        ours_s, ours_tokens = best_of(args.repeats, lambda: run_engine(engine, batch, params))
+        row = {"batch_size": len(batch), "runtime_tok_s": round(ours_tokens / ours_s, 1)}
+        if hf is not None:
+            run_transformers(*hf, batch[:1], 4)
+            hf_s, hf_tokens = best_of(args.repeats, lambda: run_transformers(*hf, batch, args.max_new_tokens))
+            row.update(transformers_tok_s=round(hf_tokens / hf_s, 1), ratio=round(ours_tokens / ours_s * hf_s / hf_tokens, 2))
+        return row
+
     rows = []
     for batch_size in args.batch_sizes:
         batch = [prompts[i % len(prompts)] for i in range(batch_size)]
-        engine = make_engine(args, batch_size)
-        run_engine(engine, batch[:1], SamplingParams(max_new_tokens=4, ignore_eos=True))  # warm-up
-        run_transformers(hf_model, tokenizer, batch[:1], 4)
-        ours_s, ours_tokens = best_of(args.repeats, lambda: run_engine(engine, batch, params))
-        hf_s, hf_tokens = best_of(args.repeats, lambda: run_transformers(hf_model, tokenizer, batch, args.max_new_tokens))
-        ours, theirs = ours_tokens / ours_s, hf_tokens / hf_s
-        rows.append({"batch_size": batch_size, "runtime_tok_s": round(ours, 1), "transformers_tok_s": round(theirs, 1),
-                     "ratio": round(ours / theirs, 2)})
+        rows.append(on_rank0(functools.partial(measure, make_engine(args, batch_size), batch)))
     return rows
 
 
@@ -94,34 +107,47 @@ def make_engine(args, max_num_seqs: int) -> Engine:
                                   **engine_kwargs(args, max_num_seqs=max_num_seqs))
 
 
-def bench_spec(args, prompts: list[str]) -> list[dict]:
-    rows = []
+def with_drafter(args, engine: Engine, k: int) -> Engine:
+    """Another engine on `engine`'s model, speculating K tokens with the --spec drafter (built where it lives)."""
+    spec = engine.with_config()
+    spec.num_draft_tokens = k
+    attach_where_it_lives(args.spec, lambda: spec.load_drafter(args.spec, args.draft))
+    return spec
+
+
+def spec_row(plain: Engine, spec: Engine, batch: list[str], params: SamplingParams, repeats: int) -> dict:
+    """One measured (temperature, batch size, K): speculative against plain decoding, and the ideal speedup."""
     warm_up = SamplingParams(max_new_tokens=4, ignore_eos=True)
+    timed_generate(plain, batch[:1], warm_up)
+    timed_generate(spec, batch[:1], warm_up)
+    result = compare(plain, spec, batch, params, repeats)
+    k = spec.num_draft_tokens
+    costs = spec.forward_costs(len(batch), COST_CONTEXT)
+    tau = result.stats["tau"]
+    ideal = ideal_speedup(tau, costs, k)
+    return {
+        "temperature": params.temperature, "batch_size": len(batch), "k": k,
+        "plain_tok_s": round(result.plain.tok_s, 1), "spec_tok_s": round(result.spec.tok_s, 1),
+        "speedup": round(result.speedup, 3), "tau": tau,
+        "acceptance_per_position": result.stats["acceptance_per_position"],
+        "conditional_acceptance": result.stats["conditional_acceptance"],
+        "ideal_speedup": round(ideal, 3), "achieved_over_ideal": round(result.speedup / ideal, 3),
+        "t_decode_ms": round(costs.decode * 1e3, 3), "t_draft_ms": round(costs.draft * 1e3, 3),
+        "t_verify_ms": round(costs.verify * 1e3, 3),
+    }
+
+
+def bench_spec(args, prompts: list[str]) -> list[dict | None]:
+    """Rows on rank 0 (None on the other ranks, which build the same engines and serve rank 0's steps)."""
+    rows = []
     for temperature in args.temperatures:
         for batch_size in args.batch_sizes:
             batch = [prompts[i % len(prompts)] for i in range(batch_size)]
             params = SamplingParams(max_new_tokens=args.max_new_tokens, ignore_eos=True, temperature=temperature)
             plain = make_engine(args, batch_size)
-            timed_generate(plain, batch[:1], warm_up)
             for k in args.num_draft_tokens:
-                spec = make_engine(args, batch_size)
-                spec.num_draft_tokens = k
-                spec.load_drafter(args.spec, args.draft)
-                timed_generate(spec, batch[:1], warm_up)
-                result = compare(plain, spec, batch, params, args.repeats)
-                costs = spec.forward_costs(batch_size, COST_CONTEXT)
-                tau = result.stats["tau"]
-                ideal = ideal_speedup(tau, costs, k)
-                rows.append({
-                    "temperature": temperature, "batch_size": batch_size, "k": k,
-                    "plain_tok_s": round(result.plain.tok_s, 1), "spec_tok_s": round(result.spec.tok_s, 1),
-                    "speedup": round(result.speedup, 3), "tau": tau,
-                    "acceptance_per_position": result.stats["acceptance_per_position"],
-                    "conditional_acceptance": result.stats["conditional_acceptance"],
-                    "ideal_speedup": round(ideal, 3), "achieved_over_ideal": round(result.speedup / ideal, 3),
-                    "t_decode_ms": round(costs.decode * 1e3, 3), "t_draft_ms": round(costs.draft * 1e3, 3),
-                    "t_verify_ms": round(costs.verify * 1e3, 3),
-                })
+                spec = with_drafter(args, plain, k)
+                rows.append(on_rank0(functools.partial(spec_row, plain, spec, batch, params, args.repeats)))
     return rows
 
 
@@ -149,17 +175,20 @@ def recommendations(rows: list[dict]) -> list[dict]:
     return out
 
 
-def bench_arrivals(args, prompts: list[str]) -> dict:
+def bench_arrivals(args, prompts: list[str]) -> dict | None:
     """A stream of requests, one every `--arrivals` steps: the share of decode steps that speculated (the others
-    were plain because the drafter lagged or there was no room), and tokens/s against plain decoding."""
+    were plain because the drafter lagged or there was no room), and tokens/s against plain decoding.
+    The result on rank 0, None on the other ranks."""
     k, count = args.num_draft_tokens[-1], max(args.batch_sizes)
+    plain = make_engine(args, count)
+    engines = {"plain": plain, "spec": with_drafter(args, plain, k)}
+    return on_rank0(functools.partial(stream, args, prompts, engines, k, count))
+
+
+def stream(args, prompts: list[str], engines: dict[str, Engine], k: int, count: int) -> dict:
     params = SamplingParams(max_new_tokens=args.max_new_tokens, ignore_eos=True)
     result = {"arrive_every_steps": args.arrivals, "requests": count, "k": k}
-    for name in ("plain", "spec"):
-        engine = make_engine(args, count)
-        if name == "spec":
-            engine.num_draft_tokens = k
-            engine.load_drafter(args.spec, args.draft)
+    for name, engine in engines.items():
         start, generated, tick = time.perf_counter(), [], 0
         while len(generated) < count or engine.has_unfinished():
             if len(generated) < count and tick % args.arrivals == 0:
@@ -199,6 +228,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--arrivals", type=int, default=4,
                         help="--spec: also run a stream of max(batch sizes) requests arriving one every N steps and "
                              "report the share of decode steps that speculated (default 4; 0: skip)")
+    parser.add_argument("--tp", type=int, default=1, help="tensor-parallel ranks; run under torchrun --nproc_per_node TP")
     add_engine_args(parser)
     args = parser.parse_args(argv)
     args.batch_sizes = parse_ints(args.batch_sizes, "--batch-sizes")
@@ -212,13 +242,18 @@ def main(argv: list[str] | None = None) -> int:
     torch.manual_seed(0)
     if args.arrivals < 0:
         raise CliError(f"--arrivals must be >= 0, got {args.arrivals}")
+    tp = init_tp(args.tp, args.device)
     rows = bench_spec(args, prompts) if args.spec != "none" else bench_vs_transformers(args, prompts)
+    arrivals = bench_arrivals(args, prompts) if args.spec != "none" and args.arrivals else None
+    if tp.rank > 0:  # it ran rank 0's steps on its shards: wait until rank 0 has reported
+        serve_forever()
+        return 0
     result = {"model": str(args.model), "device": args.device, "dtype": args.dtype, "threads": torch.get_num_threads(),
-              "max_new_tokens": args.max_new_tokens, "spec": args.spec, "rows": rows}
+              "tp": tp.size, "max_new_tokens": args.max_new_tokens, "spec": args.spec, "rows": rows}
     if args.spec != "none":
         result["recommendations"] = recommendations(rows)
-        if args.arrivals:
-            result["arrivals"] = bench_arrivals(args, prompts)
+        if arrivals:
+            result["arrivals"] = arrivals
     if not args.json:
         print_table(rows)
         if args.spec != "none":
@@ -230,4 +265,4 @@ def main(argv: list[str] | None = None) -> int:
 
 
 if __name__ == "__main__":
-    sys.exit(run_cli(main))
+    sys.exit(run_cli(tp_main(main)))

@@ -22,7 +22,7 @@ import torch
 from infer.cli import CliError, add_engine_args, add_spec_args, attach_spec, engine_kwargs, run_cli
 from infer.engine import Engine
 from infer.loader import DTYPES
-from infer.parallel import drafter_scope, init_tp, serve_forever, tp_main
+from infer.parallel import attach_where_it_lives, init_tp, serve_forever, tp_main
 from infer.prompts import read_prompt_file
 from infer.sampling_params import SamplingParams
 
@@ -60,9 +60,7 @@ def main(argv: list[str] | None = None) -> int:
     tp = init_tp(args.tp, args.device)  # each rank loads its shard of the model (and of an MTP head)
     engine = Engine.from_pretrained(args.model, dtype=DTYPES[args.dtype], device=args.device,
                                     **engine_kwargs(args, max_num_seqs=args.batch_size))
-    if tp.rank == 0 or args.spec == "mtp":  # a draft LM runs whole on rank 0 only
-        with drafter_scope(args.spec):
-            attach_spec(engine, args, min(len(prompts), args.batch_size))
+    attach_where_it_lives(args.spec, lambda: attach_spec(engine, args, min(len(prompts), args.batch_size)))
     if tp.rank > 0:  # rank 0 schedules; the others run its steps on their shards
         serve_forever()
         return 0

@@ -115,6 +115,14 @@ class CheckpointTensor:
         return self._file.get_tensor(self.key) if self._whole else self._file.get_slice(self.key)[self._index]
 
 
+def build_on_meta(config: PretrainedConfig, tp: TPGroup) -> torch.nn.Module:
+    """The architecture of `config` with `tp`'s rank's shard of every parameter, on the meta device: shapes
+    without storage (load_model fills them; mtp_train.inspect counts them)."""
+    module_name, class_name = MODEL_CLASSES[config.model_type].split(":")
+    with torch.device("meta"):
+        return getattr(importlib.import_module(module_name), class_name)(config, tp)
+
+
 def load_model(
     path: str | Path, dtype: torch.dtype = torch.float32, device: str | torch.device = "cpu",
     tp: TPGroup | None = None,
@@ -130,10 +138,7 @@ def load_model(
     """
     path = Path(path)
     config = load_config(path)
-    module_name, class_name = MODEL_CLASSES[config.model_type].split(":")
-    model_cls = getattr(importlib.import_module(module_name), class_name)
-    with torch.device("meta"):
-        model = model_cls(config, tp or current())
+    model = build_on_meta(config, tp or current())
     params = dict(model.named_parameters())
     modules = list(model.named_modules())
     shards = {_join(prefix, name): shard for prefix, m in modules for name, shard in getattr(m, "tp_shards", {}).items()}
@@ -141,7 +146,7 @@ def load_model(
     tied = {"lm_head.weight"} if getattr(config, "tie_word_embeddings", False) else set()
     state: dict[str, torch.Tensor] = {}
     rows_filled: dict[str, int] = {}
-    renames = getattr(model_cls, "checkpoint_renames", None)
+    renames = getattr(type(model), "checkpoint_renames", None)
     for file in safetensors_files(path):
         try:
             with safe_open(str(file), framework="pt", device="cpu") as f:

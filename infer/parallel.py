@@ -12,6 +12,9 @@ lm_head split the vocabulary, and the logits are all-gathered, so the sampler se
 
 A rank that fails writes its one-line error into the rendezvous store and leaves the group: the other ranks'
 next collective fails, and they raise that error (`RemoteRankError`) instead of waiting forever.
+
+A world of T x D ranks may also hold D data-parallel replicas of T ranks each (`init_tp(T, replicas=True)`: the
+feature precompute, a trainer's validation); each replica is its own process group with its own rank 0.
 """
 
 from __future__ import annotations
@@ -28,7 +31,7 @@ import weakref
 from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass
 from datetime import timedelta
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, TypeVar
 
 import torch
 import torch.distributed as dist
@@ -41,7 +44,9 @@ from infer.kv_cache import PageMetadata
 if TYPE_CHECKING:
     from infer.model_runner import ModelRunner
 
-ERROR_KEY = "specforge/tp/error"
+T = TypeVar("T")
+
+ERROR_KEY = "specforge/tp/error"  # + "/<replica>": each replica's first failure
 PEER_ERROR_WAIT = timedelta(seconds=5)  # how long a rank whose collective broke waits for the culprit's message
 
 
@@ -65,6 +70,17 @@ class TPGroup:
     size: int = 1
     store: dist.Store | None = None  # the rendezvous store: where a failing rank leaves its error
     device: torch.device = torch.device("cpu")  # where step broadcasts land
+    group: dist.ProcessGroup | None = None  # None: the whole world
+    replica: int = 0  # which of the world's data-parallel replicas this group is (init_tp(replicas=True))
+    replicas: int = 1
+
+    @property
+    def error_key(self) -> str:
+        return f"{ERROR_KEY}/{self.replica}"
+
+    @property
+    def global_rank(self) -> int:
+        return self.replica * self.size + self.rank
 
     def __deepcopy__(self, memo: dict) -> "TPGroup":
         return self  # a handle on the process group, shared by every copy of a model
@@ -79,7 +95,7 @@ class TPGroup:
     def all_reduce(self, x: torch.Tensor) -> torch.Tensor:
         """Sum x over the ranks, in place."""
         if self.size > 1 and x.numel():
-            self._collective(dist.all_reduce, x)
+            self._collective(dist.all_reduce, x, group=self.group)
         return x
 
     def all_gather(self, x: torch.Tensor, dim: int) -> torch.Tensor:
@@ -91,28 +107,36 @@ class TPGroup:
             shape[dim] *= self.size
             return x.new_empty(shape)
         parts = [torch.empty_like(x) for _ in range(self.size)]
-        self._collective(dist.all_gather, parts, x.contiguous())
+        self._collective(dist.all_gather, parts, x.contiguous(), group=self.group)
         return torch.cat(parts, dim=dim)
 
     def broadcast(self, x: torch.Tensor) -> torch.Tensor:
         """Rank 0's x, into x on every rank."""
-        self._collective(dist.broadcast, x, 0)
+        self._collective(dist.broadcast, x, group=self.group, group_src=0)
         return x
 
-    def _collective(self, collective: Callable, *args) -> None:
+    def broadcast_object(self, obj: T) -> T:
+        """Rank 0's picklable obj, returned on every rank (what the other ranks pass is ignored)."""
+        if self.size == 1:
+            return obj
+        box = [obj]
+        self._collective(dist.broadcast_object_list, box, group=self.group, group_src=0)
+        return box[0]
+
+    def _collective(self, collective: Callable, *args, **kwargs) -> None:
         try:
-            collective(*args)
+            collective(*args, **kwargs)
         except RuntimeError as err:  # a peer left the group (it failed) or died
             raise self.peer_error(err) from None
 
     def peer_error(self, err: BaseException) -> RemoteRankError:
         """The failing rank's message from the store (it writes it before leaving the group)."""
         try:
-            self.store.wait([ERROR_KEY], PEER_ERROR_WAIT)
-            message = self.store.get(ERROR_KEY).decode()
-            self.store.set(f"{ERROR_KEY}/seen/{self.rank}", "1")
+            self.store.wait([self.error_key], PEER_ERROR_WAIT)
+            message = self.store.get(self.error_key).decode()
+            self.store.set(f"{self.error_key}/seen/{self.rank}", "1")
         except Exception:  # noqa: BLE001 - no rank left a message (or the store is gone): say what this rank saw
-            message = f"rank {self.rank}: a collective failed and no rank reported why: {one_line(err)}"
+            message = f"rank {self.global_rank}: a collective failed and no rank reported why: {one_line(err)}"
         return RemoteRankError(message)
 
 
@@ -125,42 +149,61 @@ def current() -> TPGroup:
 
 
 @contextlib.contextmanager
-def single_rank() -> Iterator[None]:
-    """Build whole models meanwhile: a draft LM under tensor parallelism lives on rank 0 only."""
+def sharding_over(tp: TPGroup) -> Iterator[None]:
+    """Build models sharded over `tp` meanwhile (a group of one: whole), whatever `current()` is outside."""
     global _CURRENT
-    saved, _CURRENT = _CURRENT, TPGroup(device=_CURRENT.device)
+    saved, _CURRENT = _CURRENT, tp
     try:
         yield
     finally:
         _CURRENT = saved
 
 
-def drafter_scope(kind: str) -> contextlib.AbstractContextManager:
-    """Where a CLI attaches its drafter: a draft LM ("draft") whole on rank 0; an MTP head sharded like the target."""
-    return single_rank() if kind == "draft" else contextlib.nullcontext()
+def single_rank() -> contextlib.AbstractContextManager:
+    """Build whole models meanwhile: a draft LM under tensor parallelism lives on rank 0 only."""
+    return sharding_over(TPGroup(device=_CURRENT.device))
 
 
-def init_tp(tp: int, device: str | torch.device = "cpu") -> TPGroup:
+def attach_where_it_lives(kind: str, attach: Callable[[], None]) -> None:
+    """Run `attach` (which loads a drafter) on the ranks that hold that drafter: a draft LM ("draft") on rank 0
+    only, whole (its plain runner broadcasts nothing); an MTP head on every rank, sharded like the target."""
+    if kind == "mtp":
+        attach()
+    elif current().rank == 0:
+        with single_rank():
+            attach()
+
+
+def init_tp(tp: int, device: str | torch.device = "cpu", replicas: bool = False, option: str | None = None) -> TPGroup:
     """Join the torchrun group as one of `tp` tensor-parallel ranks (tp=1 outside torchrun: one plain process).
 
-    gloo on CPU, nccl on CUDA (rank r on cuda:LOCAL_RANK). The group becomes `current()`, which models shard over.
+    replicas=True: WORLD_SIZE may be any multiple of tp; ranks [d*tp, (d+1)*tp) form replica d, each its own
+    process group, and the group returned is this rank's replica. A process group that already exists (a
+    trainer's, from DeepSpeed) is joined, not created. gloo on CPU, nccl on CUDA (rank r on cuda:LOCAL_RANK).
+    The group becomes `current()`, which models shard over. `option` names the setting in errors (default --tp).
     """
     global _CURRENT
-    world = int(os.environ.get("WORLD_SIZE", "1"))
-    if tp < 1 or world != tp:
-        raise ShardingError(
-            f"--tp {tp} needs {tp} processes: run it as `torchrun --nproc_per_node {tp} ...` (WORLD_SIZE is {world})"
-        )
+    option = option or f"--tp {tp}"
+    world = dist.get_world_size() if dist.is_initialized() else int(os.environ.get("WORLD_SIZE", "1"))
+    if tp < 1:
+        raise ShardingError(f"{option}: the number of tensor-parallel ranks must be >= 1")
+    if world % tp if replicas else world != tp:
+        needs, procs = (f"a multiple of {tp} processes", f"{tp} x replicas") if replicas else (f"{tp} processes", tp)
+        raise ShardingError(f"{option} needs {needs}: run it as `torchrun --nproc_per_node {procs} ...` "
+                            f"(WORLD_SIZE is {world})")
     device = torch.device(device)
-    if tp == 1:
+    if world == 1:
         _CURRENT = TPGroup(device=device)
         return _CURRENT
     if device.type == "cuda":
         device = torch.device("cuda", int(os.environ.get("LOCAL_RANK", "0")))
         torch.cuda.set_device(device)
-    store, rank, world = next(dist.rendezvous("env://"))
-    dist.init_process_group("nccl" if device.type == "cuda" else "gloo", store=store, rank=rank, world_size=world)
-    _CURRENT = TPGroup(rank, world, store, device)
+    if not dist.is_initialized():
+        store, rank, world = next(dist.rendezvous("env://"))
+        dist.init_process_group("nccl" if device.type == "cuda" else "gloo", store=store, rank=rank, world_size=world)
+    group = dist.new_subgroups(tp)[0] if 1 < tp < world else None  # collective: every rank makes every replica's
+    rank = dist.get_rank()
+    _CURRENT = TPGroup(rank % tp, tp, dist.distributed_c10d._get_default_store(), device, group, rank // tp, world // tp)
     return _CURRENT
 
 
@@ -420,6 +463,18 @@ def serve_forever(tp: TPGroup | None = None) -> None:
         runner.forward(input_ids, meta, logits_indices, **model_inputs)
 
 
+def on_rank0(fn: Callable[[], T], tp: TPGroup | None = None) -> T | None:
+    """Rank 0 runs fn while the other ranks serve its steps; all return when it is done (fn's result on rank 0,
+    None elsewhere). Every rank builds the same models and runners before the call, and fn builds none."""
+    tp = tp or current()
+    if tp.rank > 0:
+        serve_forever(tp)
+        return None
+    result = fn()
+    stop_workers(tp)
+    return result
+
+
 def stop_workers(tp: TPGroup | None = None) -> None:
     """Rank 0: let the other ranks' serve_forever return (they may then build more models and serve again)."""
     tp = tp or current()
@@ -441,12 +496,12 @@ def fail(err: BaseException, tp: TPGroup | None = None) -> None:
         return
     culprit = not isinstance(err, RemoteRankError)  # a RemoteRankError is already some other rank's report
     if culprit:
-        tp.store.compare_set(ERROR_KEY, "", f"rank {tp.rank}: {type(err).__name__}: {one_line(err)}")
+        tp.store.compare_set(tp.error_key, "", f"rank {tp.global_rank}: {type(err).__name__}: {one_line(err)}")
     with contextlib.suppress(Exception):  # a group broken by the failure may not tear down cleanly
         dist.destroy_process_group()
     if culprit and tp.rank == 0:
         with contextlib.suppress(Exception):
-            tp.store.wait([f"{ERROR_KEY}/seen/{r}" for r in range(1, tp.size)], PEER_ERROR_WAIT)
+            tp.store.wait([f"{tp.error_key}/seen/{r}" for r in range(1, tp.size)], PEER_ERROR_WAIT)
 
 
 def tp_main(fn: Callable[[], int]) -> Callable[[], int]:

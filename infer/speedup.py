@@ -135,16 +135,23 @@ def recommend_k(conditional: list[float], costs: dict[int, ForwardCosts],
     return Recommendation(max(speedup, key=speedup.get), speedup)
 
 
-def recommend_k_by_batch(spec: Engine, conditional: list[float | None], batch_sizes: Sequence[int],
+def costs_engine(spec: Engine, batch_sizes: Sequence[int]) -> Engine:
+    """An engine of `spec`'s model and drafter with pages for timing the largest batch at up to spec's K. Built
+    apart from the measurement: under tensor parallelism every rank builds it (rank 0 alone then times it)."""
+    k = spec.num_draft_tokens
+    pages = max(batch_sizes) * pages_needed(COST_CONTEXT + k + 2, spec.config.page_size) + 1
+    engine = spec.with_config(num_pages=pages, max_num_seqs=max(batch_sizes), num_draft_tokens=k)
+    engine.attach_drafter(spec.drafter.kind, spec.drafter.runner.model)
+    return engine
+
+
+def recommend_k_by_batch(costs_engine: Engine, conditional: list[float | None], batch_sizes: Sequence[int],
                          overhead: StepOverhead, repeats: int = 10) -> dict[str, dict]:
     """batch size -> the recommended K and the predicted speedup at every K up to the measured one, from forward
-    costs measured here (on an engine of `spec`'s model and drafter with pages for the largest batch) and the step
-    overhead measured in the timed runs."""
+    costs measured here (on `costs_engine`, see the function of that name) and the step overhead measured in the
+    timed runs."""
     max_k = len(conditional)
     rates = [r or 0.0 for r in conditional]  # a position never reached accepts nothing we know of
-    pages = max(batch_sizes) * pages_needed(COST_CONTEXT + max_k + 2, spec.config.page_size) + 1
-    costs_engine = spec.with_config(num_pages=pages, max_num_seqs=max(batch_sizes), num_draft_tokens=max_k)
-    costs_engine.attach_drafter(spec.drafter.kind, spec.drafter.runner.model)
     out = {}
     for batch_size in batch_sizes:
         costs = {k: costs_engine.forward_costs(batch_size, COST_CONTEXT, repeats, num_draft_tokens=k)

@@ -74,6 +74,7 @@ class TrainerConfig:
 @dataclass
 class ValidateConfig:
     enabled: bool = True
+    tp: int = field(default=1, metadata=at_least(1))  # trainer ranks serving the target together; divides them
     num_draft_tokens: int = field(default=4, metadata=at_least(1, max=16))
     max_new_tokens: int = field(default=32, metadata=at_least(1))
     temperatures: list[float] = field(default_factory=lambda: [0.0, 1.0])

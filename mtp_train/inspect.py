@@ -1,6 +1,7 @@
 """Parameter counts and the memory per GPU of a head training config, without loading any weights.
 
     python -m mtp_train.inspect [--gpus 8] model=llama3_1_70b [head=eagle1] [trainer=zero3] [key=value ...]
+    python -m mtp_train.inspect --all-models [--gpus 8 --gpu-gib 80]   # the tensor-parallel plan of every config
 
 The head is built on the meta device from the target's shapes (its config.json when model.path has one, else
 the shapes in conf/model/*.yaml). Memory per GPU, for one micro batch:
@@ -10,22 +11,52 @@ the shapes in conf/model/*.yaml). Memory per GPU, for one micro batch:
   frozen shared          vocab x hidden x (1 tied, 2 untied) x dtype bytes, on every GPU
   activations            tokens x K unroll steps x (tensors autograd keeps per token) x dtype bytes
   loss chunk             2 x chunk_tokens x vocab x 4: the head's q and the target's p of one chunk (fp32)
+
+The tensor-parallel plan: per GPU, for the smallest TP degree T (of the GPUs' divisors that split the target's
+heads, features and vocabulary) that fits in the GPU's memory less 10% headroom (CUDA context, NCCL buffers,
+fragmentation), the target served in bf16 (--serve-dtype), counted from the sharded model built on the meta device:
+  precompute (conf/precompute.yaml's batch; GPUs / T replicas)
+    target shard         this rank's parameters x dtype bytes ((all - replicated norms) / T + norms)
+    kv pages             (pages for max_tokens_per_batch + max_records_per_batch) x page x KV bytes per token / T
+    activations          max_tokens_per_batch x (the residual stream, its normed copy and every Linear output of a
+                         decoder layer on this rank, routed experts by their share of tokens; plus the returned
+                         last and aux layers' states) x dtype bytes
+    shard buffers        max_tokens_per_batch x hidden x (1 + aux layers) x stored dtype bytes (before the copy out)
+  validation in training (the first T trainer ranks; mtp_train.validate's engines for `validate`'s batch)
+    target shard, head shard (the served copy), gathered head (ZeRO-3: the whole trainable head, training dtype),
+    kv pages (the target in the plain and speculative engines, the head's, the served engine's 8 pages; prompts of
+    --prompt-tokens), activations (the loss recomputation: target and head logits, their fp32 log-softmaxes and p
+    over prompt + max_new_tokens positions, and its attention scores)
+  peak in training       training's weights, gradients, optimizer state and frozen tensors, plus the larger of
+                         training's activations + loss chunk and validation (the allocator reuses freed memory)
 """
 
 from __future__ import annotations
 
 import argparse
 import sys
+from dataclasses import dataclass
 
 import torch
 from omegaconf import DictConfig
 from torch import nn
+from transformers import PretrainedConfig
 
+from data_tools.config import CONF_DIR, DTYPE_NAMES, compose
+from infer.engine import EngineConfig
+from infer.kv_cache import pages_needed
+from infer.loader import DTYPES, build_on_meta
 from infer.models.common import RMSNorm
 from infer.models.mtp_head import MTPHead
+from infer.parallel import ShardingError, TPGroup, divisors, sharding_over
+from infer.speedup import COST_CONTEXT
 from mtp_train.config import compose_training
 from mtp_train.heads import head_config
 from mtp_train.target import target_config
+
+GIB = 2**30
+HEADROOM = 0.10
+SERVED_ENGINE_PAGES = 8  # the trainer's served engine (mtp_train.trainer), beside validation's own
 
 
 def meta_head(cfg: DictConfig) -> MTPHead:
@@ -92,12 +123,157 @@ def memory_estimate(cfg: DictConfig, world_size: int, dtype_bytes: int | None = 
     return out
 
 
+# --- the tensor-parallel plan ------------------------------------------------------------------------------
+@dataclass
+class StagePlan:
+    """Bytes per GPU of one stage at TP degree `tp` (None: no degree fits; the terms are then the largest tried)."""
+
+    stage: str
+    tp: int | None
+    terms: dict[str, float]
+    total: float  # the peak: the sum of the terms, but for validation in training (module docstring)
+    budget: float
+
+    @property
+    def fits(self) -> bool:
+        return self.tp is not None and self.total <= self.budget
+
+
+@dataclass
+class Served:
+    """What one rank of a TP group holds of the target and of the served head, built on the meta device."""
+
+    config: PretrainedConfig
+    target: nn.Module
+    head: MTPHead
+    target_params: int  # this rank's (tied embeddings once)
+
+    @classmethod
+    def build(cls, cfg: DictConfig, tp: int) -> "Served":
+        config = target_config(cfg.model, need_weights=False)
+        group = TPGroup(rank=0, size=tp)
+        target = build_on_meta(config, group)  # ShardingError when tp does not split it
+        with sharding_over(group), torch.device("meta"):
+            head = MTPHead(head_config(config, cfg.head, {"name": str(cfg.model.name)}))
+        tied = getattr(config, "tie_word_embeddings", False)
+        params = sum(p.numel() for p in target.parameters()) - (target.lm_head.weight.numel() if tied else 0)
+        return cls(config, target, head, params)
+
+    def forward_elements_per_token(self) -> float:
+        """Elements this rank holds per token at a decoder layer's peak (module docstring)."""
+        config = self.config
+        experts = getattr(config, "n_routed_experts", None)
+        share = config.num_experts_per_tok / experts if experts else 1.0  # the tokens each routed expert sees
+
+        def layer(module: nn.Module) -> float:
+            return 2 * config.hidden_size + sum(m.out_features * (share if ".experts." in f".{name}." else 1.0)
+                                                for name, m in module.named_modules() if isinstance(m, nn.Linear))
+
+        return max(layer(module) for module in self.target.model.layers)
+
+
+def precompute_terms(cfg: DictConfig, pc: DictConfig, tp: int, dtype: torch.dtype) -> dict[str, float]:
+    served = Served.build(cfg, tp)
+    hidden, tokens, page, aux = served.config.hidden_size, pc.max_tokens_per_batch, pc.page_size, len(pc.aux_layers)
+    pages = pages_needed(tokens, page) + pc.max_records_per_batch  # data_tools.precompute.FeatureExtractor's pool
+    return {
+        "target_shard": served.target_params * dtype.itemsize,
+        "kv_pages": pages * page * served.target.kv_bytes_per_token(dtype),
+        "activations": tokens * (served.forward_elements_per_token() + hidden * (1 + aux)) * dtype.itemsize,
+        "shard_buffers": tokens * hidden * (1 + aux) * DTYPES[pc.dtype].itemsize,
+    }
+
+
+def validation_terms(cfg: DictConfig, tp: int, dtype: torch.dtype, prompt_tokens: int) -> dict[str, float]:
+    v = cfg.validate
+    served = Served.build(cfg, tp)
+    page = EngineConfig().page_size
+    n = prompt_tokens + v.max_new_tokens
+    pages = v.batch_size * pages_needed(max(n, COST_CONTEXT) + v.num_draft_tokens + 2, page) + 1  # mtp_train.validate
+    kv = served.target.kv_bytes_per_token(dtype)
+    heads = served.target.attention_dims()["num_heads"]
+    return {
+        "target_shard": served.target_params * dtype.itemsize,
+        "head_shard": sum(p.numel() for p in served.head.parameters()) * dtype.itemsize,
+        "gathered_head": (parameter_counts(cfg)["trainable"] * DTYPES[cfg.trainer.dtype].itemsize
+                          if cfg.trainer.zero_stage == 3 else 0),
+        "kv_pages": ((2 * pages + SERVED_ENGINE_PAGES) * kv + pages * served.head.kv_bytes_per_token(dtype)) * page,
+        "activations": n * served.config.vocab_size * (2 * dtype.itemsize + 12) + n * n * heads * 4,
+    }
+
+
+def smallest_fitting(stage: str, degrees: list[int], budget: float, plan_at) -> StagePlan:
+    """The plan at the smallest degree that fits (degrees that do not split the model are skipped)."""
+    plan = StagePlan(stage, None, {}, 0.0, budget)
+    for tp in degrees:
+        try:
+            plan = plan_at(tp)
+        except ShardingError:
+            continue
+        if plan.fits:
+            return plan
+    plan.tp = None
+    return plan
+
+
+def tp_plan(cfg: DictConfig, gpus: int = 8, gpu_bytes: float = 80 * GIB, serve_dtype: str = "bfloat16",
+            prompt_tokens: int = 1024, precompute_overrides: list[str] | None = None) -> dict[str, StagePlan]:
+    """Per GPU: precompute and validation in training at their smallest fitting TP degree, validation at the
+    configured validate.tp, and training (module docstring)."""
+    budget, dtype, degrees = gpu_bytes * (1 - HEADROOM), DTYPES[serve_dtype], divisors(gpus)
+    pc = compose("precompute", precompute_overrides or [], complete=False).precompute
+    training = memory_estimate(cfg, gpus)
+    transient = training["activations"] + training["loss_chunk"]
+    state = {k: training[k] for k in ("trainable_weights", "gradients", "optimizer_state", "frozen_shared")}
+
+    def precompute_at(tp: int) -> StagePlan:
+        terms = precompute_terms(cfg, pc, tp, dtype)
+        return StagePlan(f"precompute ({gpus // tp} replicas)", tp, terms, sum(terms.values()), budget)
+
+    def validation_at(tp: int) -> StagePlan:
+        terms = validation_terms(cfg, tp, dtype, prompt_tokens)
+        peak = sum(state.values()) + max(transient, sum(terms.values()))
+        return StagePlan("validation in training", tp, {"training_state": sum(state.values()), **terms}, peak, budget)
+
+    plans = {"precompute": smallest_fitting("precompute", degrees, budget, precompute_at),
+             "validation": smallest_fitting("validation in training", degrees, budget, validation_at)}
+    configured = int(cfg.validate.tp)
+    if configured != plans["validation"].tp:
+        plans["validation_configured"] = validation_at(configured)
+        plans["validation_configured"].stage = "validation at validate.tp"
+    plans["training"] = StagePlan("training (data-parallel)", 1, {k: v for k, v in training.items() if k != "total"},
+                                  training["total"], budget)
+    return plans
+
+
+def print_plan(cfg: DictConfig, plans: dict[str, StagePlan], gpus: int, gpu_bytes: float, serve_dtype: str) -> None:
+    print(f"{cfg.model.name}: GiB per GPU on {gpus} x {gpu_bytes / GIB:g} GiB ({gpu_bytes * (1 - HEADROOM) / GIB:.1f} "
+          f"usable), target in {serve_dtype}, ZeRO-{cfg.trainer.zero_stage} {cfg.trainer.dtype} head")
+    for plan in plans.values():
+        degree = "no tp fits" if plan.tp is None else f"tp={plan.tp}"
+        terms = ", ".join(f"{name.replace('_', ' ')} {value / GIB:.2f}" for name, value in plan.terms.items())
+        print(f"  {plan.stage:<28} {degree:<10} {plan.total / GIB:7.2f}  {'fits' if plan.fits else 'DOES NOT FIT'}"
+              f"  ({terms})")
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="python -m mtp_train.inspect", description=__doc__,
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("overrides", nargs="*", help="Hydra overrides, as for mtp_train.train")
     parser.add_argument("--gpus", type=int, default=8, help="data-parallel GPUs the ZeRO state is split over")
+    parser.add_argument("--gpu-gib", type=float, default=80.0, help="memory of one GPU in GiB (default 80)")
+    parser.add_argument("--serve-dtype", choices=DTYPE_NAMES, default="bfloat16",
+                        help="the target's dtype in precompute and validation (default bfloat16)")
+    parser.add_argument("--prompt-tokens", type=int, default=1024, help="validation prompts' length (default 1024)")
+    parser.add_argument("--all-models", action="store_true", help="the tensor-parallel plan of every conf/model config")
     args = parser.parse_args(argv)
+    gpu_bytes = args.gpu_gib * GIB
+    if args.all_models:
+        for name in sorted(p.stem for p in (CONF_DIR / "model").glob("*.yaml")):
+            cfg = compose_training([f"model={name}", *args.overrides], complete=False)
+            print_plan(cfg, tp_plan(cfg, args.gpus, gpu_bytes, args.serve_dtype, args.prompt_tokens, [f"model={name}"]),
+                       args.gpus, gpu_bytes, args.serve_dtype)
+        return 0
     cfg = compose_training(args.overrides, complete=False)
     counts = parameter_counts(cfg)
     t = cfg.trainer
@@ -108,6 +284,9 @@ def main(argv: list[str] | None = None) -> int:
           f"{t.seq_len} tokens, {cfg.loss.unroll_steps} unroll step(s), loss chunk {cfg.loss.chunk_tokens}")
     for key, value in memory_estimate(cfg, args.gpus).items():
         print(f"  {key:<18} {value / 2**30:8.2f} GiB")
+    models = [o for o in args.overrides if o.startswith("model=")]
+    print_plan(cfg, tp_plan(cfg, args.gpus, gpu_bytes, args.serve_dtype, args.prompt_tokens, models), args.gpus,
+               gpu_bytes, args.serve_dtype)
     return 0
 
 

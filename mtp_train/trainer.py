@@ -20,6 +20,7 @@ import torch
 from omegaconf import DictConfig, OmegaConf
 
 from data_tools.config import ConfigError
+from infer import parallel
 from infer.engine import Engine
 from infer.loader import DTYPES, ModelLoadError
 from infer.models.mtp_head import HeadLoadError, save_head, shared_tensors_sha256
@@ -33,7 +34,7 @@ from mtp_train.unroll import LossWeights, UnrolledHead
 from mtp_train.validate import validate_head
 
 USER_ERRORS = (ConfigError, TargetError, FeatureError, checkpoint.ResumeError, HeadLoadError,
-               ModelLoadError, PromptFileError)
+               ModelLoadError, PromptFileError, parallel.ShardingError)
 
 
 def warmup_cosine(warmup: int, total: int, min_ratio: float):
@@ -87,7 +88,8 @@ class Trainer:
                                               warmup_cosine(t.warmup_steps, t.max_steps, t.min_lr_ratio))
         self.step = (checkpoint.resume(self.zero_head, t.checkpoint_dir, self.identity, t.resume_ignore_mismatch)
                      if t.resume else 0)
-        self.served: Engine | None = None  # the target in infer/, for validation (rank 0, loaded on first use)
+        self.served: Engine | None = None  # the target in infer/, for validation (loaded on first use)
+        self.serving = self.serving_group() if cfg.validate.enabled else None
 
     def run_identity(self, manifest: dict) -> dict:
         """What decides the data order and the objective; a resumed run must match it (mtp_train.checkpoint)."""
@@ -144,8 +146,16 @@ class Trainer:
         return {"split": "eval", "step": self.step, "loss": reduced[0].item(),
                 **per_step_means(reduced[1:].view(self.num_steps, 4), counts)}
 
+    def serving_group(self) -> parallel.TPGroup:
+        """The first validate.tp ranks, which serve the target (each its 1/tp shard, beside its ZeRO share of the
+        head) for validation; the other replicas of that size skip it. Every rank makes every replica's group."""
+        tp = self.cfg.validate.tp
+        with parallel.sharding_over(parallel.current()):  # the served target shards; training's modules stay whole
+            return parallel.init_tp(tp, self.device, replicas=True, option=f"validate.tp={tp}")
+
     def validate(self, trainer_top1: float | None) -> dict:
-        """The head as infer/ serves it, on rank 0: speculative decoding on held-out prompts (mtp_train.validate).
+        """The head as infer/ serves it, on the serving group (rank 0 alone at validate.tp=1): speculative decoding
+        on held-out prompts (mtp_train.validate), driven by rank 0 while the group's other ranks serve its steps.
 
         Training's top-1 agreement and the runtime's acceptance are logged side by side; a gap over 2 points is
         flagged, since it means training and serving compute different functions (or see different text).
@@ -154,18 +164,21 @@ class Trainer:
         if not v.enabled:
             return {}
         with self.zero_head.gathered(list(self.head.parameters())):  # every rank takes part under ZeRO-3
-            if self.rank != 0:
+            if self.serving.replica != 0:
                 return {}
-            if self.served is None:  # the target through infer/, loaded once, in its serving precision
-                dtype = self.dtype if self.device.type == "cuda" else torch.float32
-                self.served = Engine.from_pretrained(self.cfg.model.path, dtype=dtype, device=str(self.device),
-                                                     num_pages=8, max_num_seqs=1)
-            report = validate_head(
-                self.served, self.head, self.prompts, k=v.num_draft_tokens, temperatures=tuple(v.temperatures),
-                max_new_tokens=v.max_new_tokens, batch_size=v.batch_size, repeats=v.repeats,
-                trainer_top1=trainer_top1, recommend_for=(),  # the K recommendation is the final validation's
-            )
-        record = {"split": "validate", "step": self.step, "gap_flag": report["gap_flag"],
+            with parallel.sharding_over(self.serving):  # the target and the served copy of the head: 1/tp each
+                if self.served is None:  # the target through infer/, loaded once, in its serving precision
+                    dtype = self.dtype if self.device.type == "cuda" else torch.float32
+                    self.served = Engine.from_pretrained(self.cfg.model.path, dtype=dtype, device=str(self.device),
+                                                         num_pages=8, max_num_seqs=1)
+                report = validate_head(
+                    self.served, self.head, self.prompts, k=v.num_draft_tokens, temperatures=tuple(v.temperatures),
+                    max_new_tokens=v.max_new_tokens, batch_size=v.batch_size, repeats=v.repeats,
+                    trainer_top1=trainer_top1, recommend_for=(),  # the K recommendation is the final validation's
+                )
+        if report is None:  # a serving rank > 0: it ran rank 0's steps on its shards
+            return {}
+        record = {"split": "validate", "step": self.step, "validate_tp": report["tp"], "gap_flag": report["gap_flag"],
                   "greedy_acceptance_0": report["greedy_acceptance_0"], "runtime_kl": report["head_loss"]["kl"]}
         for run in report["runs"]:
             t = f"T{run['temperature']:g}"

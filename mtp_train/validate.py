@@ -4,6 +4,7 @@
         [--max-new-tokens N] [--temperatures 0,1] [--out DIR] [--run-dir RUN_DIR]
     python -m mtp_train.validate model=stories260k output_dir=outputs/stories260k-mtp   # the trainer's config
     python -m mtp_train.validate model.path=DIR head_dir=DIR prompts=FILE.jsonl          # the same, as overrides
+    torchrun --nproc_per_node 8 -m mtp_train.validate --tp 8 --target DIR --head DIR   # a target sharded 8 ways
 
 On held-out prompts, for each temperature (greedy and T=1 by default): acceptance per draft position, tau and the
 accepted-length histogram; speculative against plain decoding timed in the same run, beside the ideal speedup
@@ -36,8 +37,10 @@ from infer.loader import DTYPES
 from infer.models.mtp_head import MTPHead, attach_to_target, copy_head, load_head
 from infer.prompts import DEFAULT_PROMPTS, read_prompt_file
 from infer.sampling_params import SamplingParams
+from infer.parallel import group_of, init_tp, on_rank0, serve_forever, tp_main
 from infer.speedup import (
-    COST_CONTEXT, Comparison, StepOverhead, compare, ideal_speedup, recommend_k_by_batch, timed_generate,
+    COST_CONTEXT, Comparison, StepOverhead, compare, costs_engine, ideal_speedup, recommend_k_by_batch,
+    timed_generate,
 )
 
 GAP_POINTS = 0.02  # trainer top-1 vs runtime greedy acceptance at position 0
@@ -117,8 +120,11 @@ def validate_head(
     dtype: torch.dtype = torch.float32,
     device: str | torch.device = "cpu",
     recommend_for: tuple[int, ...] = (1, 8, 32),
-) -> dict:
+) -> dict | None:
     """Speculative decoding with `head` on `prompts` through infer's Engine, plus the head's loss (module doc).
+
+    Under tensor parallelism (a target sharded over a group) every rank of the group calls this with the same
+    arguments and builds the same engines; rank 0 measures and returns the report, the others return None.
 
     target: a model folder (loaded in dtype on device) or an Engine (its model, tokenizer, stop ids and settings).
     prompts: text (the target needs a tokenizer) or token ids; None: infer.prompts.DEFAULT_PROMPTS.
@@ -138,26 +144,43 @@ def validate_head(
                  num_draft_tokens=k)
     plain, spec = served.with_config(**sizes), served.with_config(**sizes)
     spec.attach_drafter("mtp", drafter)
-    warm_up = [SamplingParams(max_new_tokens=min(max_new_tokens, k + 4), ignore_eos=True)] * len(prompt_ids)
-    timed_generate(plain, prompt_ids, warm_up)  # the batch's prefill shapes, and a few speculative steps
-    timed_generate(spec, prompt_ids, warm_up)
+    for_costs = costs_engine(spec, recommend_for) if recommend_for else None
+    spec_k1 = None  # the step overhead is fitted through K and 1
+    if recommend_for and k > 1:
+        spec_k1 = served.with_config(**{**sizes, "num_draft_tokens": 1})
+        spec_k1.attach_drafter("mtp", drafter)
+    tp = group_of(model)
 
-    comparisons = {float(t): compare(plain, spec, prompt_ids, sampling_params(t, max_new_tokens, seed, len(prompt_ids)),
-                                     repeats) for t in temperatures}
-    runs = [run_record(t, max_new_tokens, result) for t, result in comparisons.items()]
-    costs = spec.forward_costs(min(batch_size, len(prompt_ids)), COST_CONTEXT)
-    for run in runs:
-        run["ideal_speedup"] = round(ideal_speedup(run["tau"], costs, k), 3)
-        run["achieved_over_ideal"] = round(run["speedup"] / run["ideal_speedup"], 3) if run["ideal_speedup"] else None
+    def measure() -> tuple[list[dict], dict[float, list[list[int]]], dict, ForwardCosts]:
+        """The timed runs (rank 0 alone under tensor parallelism: the other ranks serve its steps)."""
+        warm_up = [SamplingParams(max_new_tokens=min(max_new_tokens, k + 4), ignore_eos=True)] * len(prompt_ids)
+        timed_generate(plain, prompt_ids, warm_up)  # the batch's prefill shapes, and a few speculative steps
+        timed_generate(spec, prompt_ids, warm_up)
+        comparisons = {float(t): compare(plain, spec, prompt_ids, sampling_params(t, max_new_tokens, seed,
+                                                                                  len(prompt_ids)), repeats)
+                       for t in temperatures}
+        runs = [run_record(t, max_new_tokens, result) for t, result in comparisons.items()]
+        costs = spec.forward_costs(min(batch_size, len(prompt_ids)), COST_CONTEXT)
+        for run in runs:
+            run["ideal_speedup"] = round(ideal_speedup(run["tau"], costs, k), 3)
+            run["achieved_over_ideal"] = round(run["speedup"] / run["ideal_speedup"], 3) if run["ideal_speedup"] else None
+        basis = greedy_run(runs) or runs[0] if runs else None
+        recommended = {}
+        if for_costs is not None and basis:
+            overhead = step_overhead(plain, spec_k1, prompt_ids, basis, comparisons[basis["temperature"]], costs)
+            recommended = recommend_k_by_batch(for_costs, basis["conditional_acceptance"], recommend_for, overhead)
+        sequences = {t: [r.token_ids for r in result.plain.requests] for t, result in comparisons.items()}
+        return runs, sequences, recommended, costs
 
-    greedy = next((run for run in runs if run["temperature"] == 0.0), None)
+    measured = on_rank0(measure, tp)
+    # The loss forwards are collective under tensor parallelism: every rank runs them on rank 0's sequences.
+    sequences_by_temperature = tp.broadcast_object(measured[1] if measured else None)
+    by_temperature = {f"{t:g}": head_loss(model, drafter, seqs) for t, seqs in sequences_by_temperature.items()}
+    if measured is None:  # a rank > 0: rank 0 reports
+        return None
+    runs, _, recommended, costs = measured
+    greedy = greedy_run(runs)
     basis = greedy or runs[0] if runs else None
-    recommended = {}
-    if recommend_for and basis:
-        recommended = recommend_k_by_batch(spec, basis["conditional_acceptance"], recommend_for,
-                                           step_overhead(served, drafter, sizes, prompt_ids, basis, comparisons, costs))
-    by_temperature = {f"{t:g}": head_loss(model, drafter, [r.token_ids for r in result.plain.requests])
-                      for t, result in comparisons.items()}
     greedy_acceptance_0 = greedy["acceptance_per_position"][0] if greedy else None
     gap, flag = top1_gap(trainer_top1, greedy_acceptance_0)
     if flag:
@@ -171,7 +194,7 @@ def validate_head(
         "num_draft_tokens": k, "max_new_tokens": max_new_tokens, "batch_size": batch_size,
         "num_prompts": len(prompt_ids), "seed": seed, "repeats": repeats,
         "device": str(param.device), "dtype": str(param.dtype).removeprefix("torch."),
-        "threads": torch.get_num_threads(),
+        "threads": torch.get_num_threads(), "tp": tp.size,
         "runs": runs,
         "head_loss": {**merge_losses(list(by_temperature.values())), "by_temperature": by_temperature,
                       "on": "prompts + the plain engine's continuations at each temperature"},
@@ -217,22 +240,23 @@ def run_record(temperature: float, max_new_tokens: int, result: Comparison) -> d
     }
 
 
-def step_overhead(served: Engine, drafter: MTPHead, sizes: dict, prompt_ids: list[list[int]], basis: dict,
-                  comparisons: dict, costs: ForwardCosts) -> StepOverhead:
-    """The per-step overhead at K (the validation's timed run) and at K=1 (one more short timed run), fitted."""
-    k, batch = sizes["num_draft_tokens"], min(sizes["max_num_seqs"], len(prompt_ids))
-    temperature = basis["temperature"]
-    measured = {k: comparisons[temperature]}
-    all_costs = {k: costs}
-    if k > 1:
-        one = served.with_config(**{**sizes, "num_draft_tokens": 1})
-        one.attach_drafter("mtp", drafter)
-        params = sampling_params(temperature, basis["max_new_tokens"], 0, len(prompt_ids))
-        timed_generate(one, prompt_ids, params)  # warm-up
-        measured[1] = compare(served.with_config(**sizes), one, prompt_ids, params, repeats=1)
-        all_costs[1] = one.forward_costs(batch, COST_CONTEXT)
+def step_overhead(plain: Engine, spec_k1: Engine | None, prompt_ids: list[list[int]], basis: dict,
+                  at_k: Comparison, costs: ForwardCosts) -> StepOverhead:
+    """The per-step overhead at K (the validation's timed run) and at K=1 (one more short timed run on `spec_k1`,
+    built beforehand on every rank), fitted as a line in K."""
+    k, batch = at_k.stats["num_draft_tokens"], min(plain.config.max_num_seqs, len(prompt_ids))
+    measured, all_costs = {k: at_k}, {k: costs}
+    if spec_k1 is not None:
+        params = sampling_params(basis["temperature"], basis["max_new_tokens"], 0, len(prompt_ids))
+        timed_generate(spec_k1, prompt_ids, params)  # warm-up
+        measured[1] = compare(plain, spec_k1, prompt_ids, params, repeats=1)
+        all_costs[1] = spec_k1.forward_costs(batch, COST_CONTEXT)
     return StepOverhead.fitted({n: (c.plain.tok_s, c.spec.tok_s, c.stats["tau"]) for n, c in measured.items()},
                                all_costs, batch)
+
+
+def greedy_run(runs: list[dict]) -> dict | None:
+    return next((run for run in runs if run["temperature"] == 0.0), None)
 
 
 def tokenize_prompts(served: Engine, prompts: list[str] | list[list[int]]) -> list[list[int]]:
@@ -274,6 +298,8 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu", help="cpu or cuda")
     parser.add_argument("--dtype", choices=sorted(DTYPES), default="float32", help="target and head dtype")
     parser.add_argument("--threads", type=int, help="torch intra-op threads (tiny models on a busy CPU: 1)")
+    parser.add_argument("--tp", type=int, default=1, help="tensor-parallel ranks serving the target and the head; run "
+                                                          "under torchrun --nproc_per_node TP")
     parser.add_argument("overrides", nargs="*", metavar="KEY=VALUE",
                         help="Hydra overrides of conf/config.yaml (model=..., model.path=..., output_dir=..., "
                              "head_dir=..., prompts=...)")
@@ -329,10 +355,14 @@ def main(argv: list[str] | None = None) -> int:
             raise CliError(f"--threads must be >= 1, got {args.threads}")
         torch.set_num_threads(args.threads)
     prompts = read_prompt_file(prompts_file) if prompts_file else DEFAULT_PROMPTS
+    init_tp(args.tp, args.device)  # each rank loads its shard of the target and of the head
     report = validate_head(target, head, prompts, k=args.num_draft_tokens, temperatures=temperatures,
                            max_new_tokens=args.max_new_tokens, batch_size=args.batch_size, seed=args.seed,
                            repeats=args.repeats, trainer_top1=trainer_top1, dtype=DTYPES[args.dtype],
                            device=args.device)
+    if report is None:  # a rank > 0 (it ran rank 0's steps on its shards): wait until rank 0 has reported
+        serve_forever()
+        return 0
     report["prompts"] = str(prompts_file) if prompts_file else "built-in story openings"
     if trainer_top1 is not None:
         report["trainer_top1_source"] = top1_source
@@ -342,4 +372,4 @@ def main(argv: list[str] | None = None) -> int:
 
 
 if __name__ == "__main__":
-    sys.exit(run_cli(main))
+    sys.exit(run_cli(tp_main(main)))

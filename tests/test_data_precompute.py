@@ -170,6 +170,32 @@ def test_torchrun_two_processes_equal_one(baseline: Baseline, assets_dir: Path, 
     assert folder_bytes(out_dir) == folder_bytes(baseline.dir)
 
 
+def test_torchrun_tensor_parallel_equals_one_process(baseline: Baseline, assets_dir: Path, tmp_path: Path) -> None:
+    """precompute.tp=2 over 2 processes (one replica of 2 ranks, each half the target): the same records, shards
+    and manifest, and features within 1e-5 of their range (the sums of a row-parallel layer split in two)."""
+    torchrun = Path(sys.executable).with_name("torchrun")
+    out_dir = tmp_path / "tp2"
+    command = [str(torchrun), "--standalone", "--nproc_per_node", "2", "-m", "data_tools.precompute",
+               *overrides(assets_dir, out_dir, **{"precompute.tp": 2})]
+    result = subprocess.run(command, env={**subprocess_env(), "OMP_NUM_THREADS": "1"}, cwd=ROOT, capture_output=True,
+                            text=True, timeout=180)
+    assert result.returncode == 0, result.stderr[-3000:]
+    ours = json.loads((out_dir / MANIFEST).read_text())
+    unhashed = lambda manifest: [{k: v for k, v in s.items() if k != "sha256"} for s in manifest["shards"]]  # noqa: E731
+    assert unhashed(ours) == unhashed(baseline.manifest) and ours["num_tokens"] == baseline.manifest["num_tokens"]
+    for shard in baseline.manifest["shards"]:
+        with safe_open(str(baseline.dir / shard["file"]), framework="pt") as one, \
+                safe_open(str(out_dir / shard["file"]), framework="pt") as two:
+            assert one.metadata() == two.metadata() and set(one.keys()) == set(two.keys())
+            for key in one.keys():
+                a, b = one.get_tensor(key), two.get_tensor(key)
+                if key in ("input_ids", "loss_mask", "record_offsets"):
+                    assert torch.equal(a, b), key
+                else:
+                    rel = ((a - b).abs().max() / (a.max() - a.min())).item()
+                    assert 0 < rel <= 1e-5, (shard["file"], key, rel)  # computed apart, and equal to rounding
+
+
 def test_bf16_default_dry_run_and_disk_check(assets_dir: Path, tmp_path: Path, baseline: Baseline, capsys,
                                              monkeypatch) -> None:
     args = overrides(assets_dir, tmp_path / "bf16", **{"data.limit": 4, "precompute.aux_layers": "[]"})
@@ -199,6 +225,9 @@ def test_user_mistakes_are_one_line_errors(assets_dir: Path, baseline: Baseline,
         (overrides(assets_dir, tmp_path / "x", **{"precompute.dtype": "int8"}), "error: precompute.dtype must be one of"),
         (overrides(assets_dir, tmp_path / "x", **{"precompute.aux_layers": "[5]"}), "error: precompute.aux_layers"),
         (overrides(assets_dir, tmp_path / "x", **{"data.paths": "[nope.jsonl]"}), "error: data file nope.jsonl does not"),
+        (overrides(assets_dir, tmp_path / "x", **{"precompute.tp": 2}),
+         "error: precompute.tp=2 needs a multiple of 2 processes: run it as `torchrun --nproc_per_node 2 x replicas"),
+        (overrides(assets_dir, tmp_path / "x", **{"precompute.tp": 0}), "error: precompute.tp must be >= 1, got 0"),
         # A different job pointed at a finished folder must not mix its shards with the old ones.
         (overrides(assets_dir, baseline.dir, **{"precompute.aux_layers": "[]"}), "was written by a different run"),
     ]

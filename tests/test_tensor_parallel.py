@@ -3,12 +3,15 @@
 One two-rank session runs every scenario in turn (spawning costs seconds on these machines): paged forwards
 of stories260K, tiny Llama-3s (GQA; one KV head, fewer than the ranks) and tiny DeepSeek-V2s (MLA with and
 without q_lora_rank, MoE), then generation through the Engine plainly, with an MTP head and with a draft LM,
+`infer.bench --tp 2` and `mtp_train.validate --tp 2` (their mains join the session's group as under torchrun),
 and last a failure injected on rank 1. The tests compare what rank 0 recorded with the same work done here in
 one process: logits within 1e-5 of the logit range, greedy tokens identical.
 """
 
 from __future__ import annotations
 
+import contextlib
+import io
 import json
 import os
 import subprocess
@@ -21,6 +24,7 @@ from transformers import DeepseekV2ForCausalLM as HFDeepseekV2
 from transformers import LlamaConfig
 from transformers import LlamaForCausalLM as HFLlama
 
+from infer.bench import main as bench_main
 from infer.cli import run_cli
 from infer.engine import Engine, EngineConfig
 from infer.generate import main as generate_main
@@ -34,6 +38,7 @@ from infer.parallel import (
     RemoteRankError, ShardingError, TPGroup, fail, init_tp, parameter_bytes, serve_forever, spawn, stop_workers,
 )
 from infer.sampling_params import SamplingParams
+from mtp_train.validate import main as validate_main
 from tests.test_deepseek_v2 import CONFIGS as DEEPSEEK_CONFIGS
 from tests.test_deepseek_v2 import tiny_config as tiny_deepseek_config
 from tests.test_llama import tiny_llama3_config
@@ -49,6 +54,16 @@ REPLICATED = ("norm", "o_proj.bias", "down_proj.bias", "q_a_proj", "kv_a_proj_wi
 
 class InjectedFailure(ValueError):
     pass
+
+
+def bench_args(stories: str, head_dir: str) -> list[str]:
+    return ["--model", stories, "--spec", "mtp", "--draft", head_dir, "--num-draft-tokens", "2", "--batch-sizes", "2",
+            "--max-new-tokens", "12", "--repeats", "1", "--arrivals", "2", "--json", "--device", "cpu"]
+
+
+def validate_args(stories: str, head_dir: str, out: str) -> list[str]:
+    return ["--target", stories, "--head", head_dir, "--num-draft-tokens", "1", "--max-new-tokens", "12",
+            "--batch-size", "3", "--repeats", "1", "--temperatures", "0,1", "--out", out, "--device", "cpu"]
 
 
 def paged_logits(runner: ModelRunner, vocab: int, seed: int = 0) -> torch.Tensor:
@@ -134,6 +149,16 @@ def rank_session(folders: dict[str, str], stories: str, head_dir: str, out: str)
         else:
             serve_forever()
 
+    clis = {"bench": (bench_main, bench_args(stories, head_dir)),
+            "validate": (validate_main, validate_args(stories, head_dir, str(Path(out) / "validate")))}
+    for name, (cli, argv) in clis.items():  # rank 0 measures and reports; rank 1 serves until rank 0 returns
+        stdout = io.StringIO()
+        with contextlib.redirect_stdout(stdout):
+            record[f"{name}/exit"] = cli(["--tp", "2", *argv])
+        if tp.rank == 0:
+            stop_workers()  # what tp_main does when the CLI's main returns
+        record[f"{name}/stdout"] = stdout.getvalue()
+
     engine = make_engine(target)
     if tp.rank == 1:  # rank 1 fails in its second step, in the middle of the forward
         mlp, calls = target.model.layers[2].mlp, []
@@ -177,10 +202,19 @@ def folders(tmp_path_factory) -> dict[str, Path]:
 
 
 @pytest.fixture(scope="module")
-def session(folders, stories_hf_dir, stories_model, tmp_path_factory) -> tuple[dict, dict]:
+def head_dir(stories_model, tmp_path_factory) -> Path:
+    return save_head(init_head_from_target(stories_model, "stories260K"), tmp_path_factory.mktemp("h") / "head")
+
+
+@pytest.fixture(scope="module")
+def session_dir(tmp_path_factory) -> Path:
+    return tmp_path_factory.mktemp("tp_session")
+
+
+@pytest.fixture(scope="module")
+def session(folders, stories_hf_dir, head_dir, session_dir) -> tuple[dict, dict]:
     """(rank 0's record, rank 1's record) of the two-rank session."""
-    head_dir = save_head(init_head_from_target(stories_model, "stories260K"), tmp_path_factory.mktemp("h") / "head")
-    out = tmp_path_factory.mktemp("tp_session")
+    out = session_dir
     spawn(rank_session, 2, {k: str(v) for k, v in folders.items()}, str(stories_hf_dir), str(head_dir), str(out),
           timeout_s=240)
     return torch.load(out / "rank0.pt"), torch.load(out / "rank1.pt")
@@ -245,6 +279,39 @@ def test_an_error_on_one_rank_reaches_the_other(session):
     assert rank0["error"] == "RemoteRankError: rank 1: InjectedFailure: injected failure in layer 2's MLP"
 
 
+def test_bench_cli_with_tp_matches_one_process(session, stories_hf_dir, head_dir, capsys):
+    """`infer.bench --tp 2 --spec mtp`: rank 0 prints the rows one process prints (same tau and acceptance per K,
+    the stream of arrivals included); rank 1 prints nothing."""
+    rank0, rank1 = session
+    assert rank0["bench/exit"] == rank1["bench/exit"] == 0 and rank1["bench/stdout"] == ""
+    two = json.loads(rank0["bench/stdout"])
+    assert bench_main(bench_args(str(stories_hf_dir), str(head_dir))) == 0
+    one = json.loads(capsys.readouterr().out)
+    assert (two["tp"], one["tp"]) == (2, 1)
+    measured = lambda result: [(r["k"], r["tau"], r["acceptance_per_position"]) for r in result["rows"]]  # noqa: E731
+    assert measured(two) == measured(one) and [k for k, *_ in measured(one)] == [2]
+    assert two["arrivals"]["tau"] == one["arrivals"]["tau"] and two["arrivals"]["speculated_share"] > 0
+    assert [r["recommended_k"] for r in two["recommendations"]] == [r["recommended_k"] for r in one["recommendations"]]
+
+
+def test_validate_cli_with_tp_matches_one_process(session, session_dir, stories_hf_dir, head_dir, tmp_path, capsys):
+    """`mtp_train.validate --tp 2`: the report of one process (acceptance, tau, the head's loss recomputed by
+    collective forwards on rank 0's sequences, a K recommended per batch size); only rank 0 writes it."""
+    rank0, rank1 = session
+    assert rank0["validate/exit"] == rank1["validate/exit"] == 0 and rank1["validate/stdout"] == ""
+    two = json.loads((session_dir / "validate" / "report.json").read_text())
+    assert validate_main(validate_args(str(stories_hf_dir), str(head_dir), str(tmp_path))) == 0
+    one = json.loads((tmp_path / "report.json").read_text())
+    assert (two["tp"], one["tp"]) == (2, 1)
+    measured = lambda report: [(r["temperature"], r["tau"], r["acceptance_per_position"],  # noqa: E731
+                                r["accepted_length_histogram"]) for r in report["runs"]]
+    assert measured(two) == measured(one) and len(measured(one)) == 2
+    assert two["head_loss"]["positions"] == one["head_loss"]["positions"] > 0
+    assert two["head_loss"]["kl"] == pytest.approx(one["head_loss"]["kl"], rel=1e-5)
+    assert two["head_loss"]["top1"] == one["head_loss"]["top1"]
+    assert sorted(two["recommended_k"]["by_batch_size"]) == sorted(one["recommended_k"]["by_batch_size"]) == ["1", "32", "8"]
+
+
 def test_generate_cli_under_torchrun_matches_one_process(stories_hf_dir, capfd):
     """`torchrun --nproc_per_node 2 -m infer.generate --tp 2`, with a draft LM (rank 0 only), prints what one
     process prints; rank 1 prints nothing."""
@@ -283,7 +350,15 @@ def test_shapes_that_do_not_split_name_the_field_and_the_choices():
     assert model.attention_dims() == dict(num_heads=2, num_kv_heads=1, head_dim=16, mla_dims=None)  # KV replicated
 
 
-def test_tp_needs_as_many_processes(monkeypatch):
+def test_tp_needs_as_many_processes(monkeypatch, stories_hf_dir, head_dir, tmp_path, capsys):
     monkeypatch.delenv("WORLD_SIZE", raising=False)
     with pytest.raises(ShardingError, match=r"--tp 2 needs 2 processes: .*torchrun --nproc_per_node 2"):
         init_tp(2)
+    with pytest.raises(ShardingError, match=r"^precompute.tp=2 needs a multiple of 2 processes: .* \(WORLD_SIZE is 1\)$"):
+        init_tp(2, replicas=True, option="precompute.tp=2")
+    monkeypatch.setenv("WORLD_SIZE", "3")
+    for cli, argv in ((bench_main, bench_args(str(stories_hf_dir), str(head_dir))),
+                      (validate_main, validate_args(str(stories_hf_dir), str(head_dir), str(tmp_path)))):
+        assert run_cli(lambda: cli(["--tp", "2", *argv])) == 2
+        assert capsys.readouterr().err.strip().splitlines() == [
+            "error: --tp 2 needs 2 processes: run it as `torchrun --nproc_per_node 2 ...` (WORLD_SIZE is 3)"]

@@ -79,17 +79,37 @@ def one_process(tmp_path_factory, features, stories_hf_dir) -> Path:
     return out
 
 
-def test_two_processes_zero2_match_one_process_with_the_same_global_batch(tmp_path, one_process, features,
-                                                                         stories_hf_dir):
-    _train(tmp_path, features, stories_hf_dir, ["trainer.grad_accum=1"], nproc=2)
-    one, two = _train_steps(one_process), _train_steps(tmp_path)
+@pytest.fixture(scope="session")
+def two_processes(tmp_path_factory, features, stories_hf_dir) -> Path:
+    """The same global batch over two processes (ZeRO-2); validation on rank 0 alone (validate.tp=1)."""
+    out = tmp_path_factory.mktemp("two_processes")
+    _train(out, features, stories_hf_dir, ["trainer.grad_accum=1"], nproc=2)
+    return out
+
+
+def test_two_processes_zero2_match_one_process_with_the_same_global_batch(two_processes, one_process):
+    one, two = _train_steps(one_process), _train_steps(two_processes)
     assert sorted(one) == sorted(two) == list(range(1, STEPS + 1))
     for step in one:
         for key in ("loss", "kl_0", "kl_1", "top1_0", "feature_1"):
             assert two[step][key] == pytest.approx(one[step][key], rel=1e-4, abs=1e-6), (step, key)
     evals = lambda out: [r for r in _records(out) if r["split"] == "eval"]  # noqa: E731
-    for a, b in zip(evals(one_process), evals(tmp_path)):
+    for a, b in zip(evals(one_process), evals(two_processes)):
         assert b["loss"] == pytest.approx(a["loss"], rel=1e-4)
+
+
+def test_validation_served_over_both_ranks_matches_rank_0_alone(tmp_path, two_processes, features, stories_hf_dir):
+    """validate.tp=2 under ZeRO-3: both trainer ranks gather the head, each serves half of the target and of the
+    head's copy, rank 0 drives; its validations log the tau and acceptance of validate.tp=1 (rank 0 alone)."""
+    _train(tmp_path, features, stories_hf_dir, ["trainer.grad_accum=1", "trainer=zero3", "validate.tp=2"], nproc=2)
+    validations = lambda out: [r for r in _records(out) if r["split"] == "validate"]  # noqa: E731
+    ours, reference = validations(tmp_path), validations(two_processes)
+    assert [r["step"] for r in ours] == [r["step"] for r in reference] == [3, STEPS]
+    assert {r["validate_tp"] for r in ours} == {2} and {r["validate_tp"] for r in reference} == {1}
+    for a, b in zip(reference, ours):
+        measured = sorted(k for k in a if k.startswith(("tau_", "acceptance_")))
+        assert len(measured) == 10 and {k: b[k] for k in measured} == {k: a[k] for k in measured}
+        assert b["runtime_kl"] == pytest.approx(a["runtime_kl"], rel=1e-5)
 
 
 def test_kill_and_resume_continue_the_same_steps_and_data(tmp_path, one_process, features, stories_hf_dir):
