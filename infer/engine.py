@@ -23,10 +23,10 @@ from transformers import PreTrainedTokenizerBase
 from infer.kv_cache import OutOfPages, PagePool, PageTable, build_page_metadata, pages_needed
 from infer.loader import default_eos_ids, load_model, load_tokenizer
 from infer.model_runner import ModelRunner
-from infer.models.mtp_head import load_head
+from infer.models.mtp_head import DRAFTER_KINDS, load_head
 from infer.sampler import SamplingTensors, make_generator, sample
 from infer.sampling_params import SamplingParams
-from infer.speculative import Drafter, DraftModel, MTPDrafter, SpecStats, speculative_decode
+from infer.speculative import DRAFTERS, Drafter, SpecStats, speculative_decode
 
 
 @dataclass
@@ -115,16 +115,19 @@ class Engine:
         self.spec_stats: SpecStats | None = None
 
     def load_drafter(self, kind: str, path: str | Path) -> None:
-        """Attach a draft LM folder (kind "draft") or an MTP head folder (kind "mtp") from disk."""
+        """Attach a draft LM folder (kind "draft") or a head folder (kind "mtp": the head's architecture picks its
+        drafter, MTP / EAGLE-1 or EAGLE-3) from disk."""
         if kind == "draft":
             param = next(self.model.parameters())
             model = load_model(path, dtype=param.dtype, device=param.device)
         else:
             model = load_head(path, self.model)
+            kind = DRAFTER_KINDS[model.config.architecture]
         self.attach_drafter(kind, model)
 
     def attach_drafter(self, kind: str, model: torch.nn.Module) -> None:
-        """Speculate with a draft LM (kind "draft") or an MTP head (kind "mtp") on the engine's own pages."""
+        """Speculate with a draft LM (kind "draft"), an MTP / EAGLE-1 head ("mtp") or an EAGLE-3 head ("eagle3") on
+        the engine's own pages."""
         if self.has_unfinished():
             raise RuntimeError("attach a drafter before adding requests")
         if self.num_draft_tokens < 1:
@@ -134,8 +137,10 @@ class Engine:
                 f"the drafter's vocabulary ({model.config.vocab_size}) differs from the target's "
                 f"({self.model.config.vocab_size}): it must share the target's tokenizer"
             )
-        drafter_cls = {"draft": DraftModel, "mtp": MTPDrafter}[kind]
-        self.drafter = drafter_cls(model, self.pool.num_pages, self.config.page_size, self.config.backend)
+        architecture = getattr(model.config, "architecture", None)
+        if kind != "draft" and DRAFTER_KINDS.get(architecture) != kind:
+            raise ValueError(f"a {architecture} head drafts as kind {DRAFTER_KINDS.get(architecture)!r}, not {kind!r}")
+        self.drafter = DRAFTERS[kind](model, self.pool.num_pages, self.config.page_size, self.config.backend)
         self.reset_spec_stats()
 
     def reset_spec_stats(self) -> None:
@@ -272,7 +277,8 @@ class Engine:
         meta = build_page_metadata(page_lists, q_lens, kv_lens, self.config.page_size, self.device)
         ids = torch.tensor(input_ids, dtype=torch.long, device=self.device)
         logits_indices = torch.tensor([row for _, row in sampling], dtype=torch.long, device=self.device)
-        out = self.runner.run(ids, meta, logits_indices)
+        out = self.runner.run(ids, meta, logits_indices,
+                              aux_layers=self.drafter.target_aux_layers if self.drafter else ())
         finished = []
         if sampling:
             requests = [r for r, _ in sampling]
@@ -282,7 +288,8 @@ class Engine:
         if self.drafter is not None:  # keep the drafter in lockstep: it reads what the target just settled
             first_rows = [0, *torch.tensor(q_lens).cumsum(0).tolist()]
             live = [(i, r) for i, (r, _) in enumerate(scheduled) if not r.finished and self._reserve_catch_up(r)]
-            hidden = {r.request_id: (kv_lens[i] - q_lens[i], out.hidden_states[first_rows[i] : first_rows[i + 1]])
+            features = self.drafter.target_features(out)
+            hidden = {r.request_id: (kv_lens[i] - q_lens[i], features[first_rows[i] : first_rows[i + 1]])
                       for i, r in live}
             self.drafter.catch_up([r for _, r in live], hidden)
         return self._finish_step(finished)

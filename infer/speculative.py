@@ -13,7 +13,9 @@ scheduler), and its per-request state (`DraftState`) behind its methods. The two
 position eats:
   - `DraftModel` (a small LM): position i reads token t_i, so it runs one token ahead of the target;
   - `MTPDrafter` (an MTP head): position i reads (t_{i+1}, h_i), h_i the target's hidden state, so it catches up
-    over exactly the positions the target computed; its own h' feeds its later drafts.
+    over exactly the positions the target computed; its own h' feeds its later drafts;
+  - `Eagle3Drafter` (an EAGLE-3 head): the same, h_i being the head's fusion of three of the target's layers, which
+    every target forward (prefill, decode, verify) returns as aux hidden states (`target_aux_layers`).
 
 `speculative_decode` is gpt-fast's `speculative_decode`, batched: a function of the target's runner, the drafter
 and a decode batch that returns the emitted tokens. It never changes a request; the engine appends the tokens,
@@ -101,6 +103,7 @@ class Drafter:
 
     token_shift = 0  # position i reads token t_{i + token_shift}
     needs_hidden_states = False
+    target_aux_layers: tuple[int, ...] = ()  # intermediate layers the target's forwards must return for it
 
     def __init__(self, model: torch.nn.Module, num_pages: int, page_size: int, backend: str) -> None:
         self.runner = ModelRunner(model, num_pages, page_size, backend)
@@ -136,6 +139,10 @@ class Drafter:
     def forget(self, request_id: int) -> None:
         """The request finished or lost its pages (preemption): its drafter state goes with them."""
         self._states.pop(request_id, None)
+
+    def target_features(self, out: ModelOutput) -> Tensor:
+        """[T, H] what the drafter reads from a target forward at each of its positions (catch-up's hidden)."""
+        return out.hidden_states
 
     # --- forwards ---------------------------------------------------------------------------------
     def catch_up(self, seqs: list[Sequence], target_hidden: dict[int, tuple[int, Tensor]]) -> None:
@@ -207,6 +214,22 @@ class MTPDrafter(Drafter):
     needs_hidden_states = True
 
 
+class Eagle3Drafter(MTPDrafter):
+    """An EAGLE-3 head: step 0 reads its fc-fusion of the target's low, mid and high layers."""
+
+    def __init__(self, model: torch.nn.Module, num_pages: int, page_size: int, backend: str) -> None:
+        super().__init__(model, num_pages, page_size, backend)
+        self.target_aux_layers = tuple(model.target_aux_layers)
+
+    @torch.inference_mode()
+    def target_features(self, out: ModelOutput) -> Tensor:
+        aux = torch.stack([out.aux_hidden_states[layer] for layer in self.target_aux_layers], dim=1)  # [T, 3, H]
+        return self.runner.model.features(out.hidden_states, aux.to(self.runner.dtype))
+
+
+DRAFTERS: dict[str, type[Drafter]] = {"draft": DraftModel, "mtp": MTPDrafter, "eagle3": Eagle3Drafter}
+
+
 @dataclass
 class SpecOutput:
     emitted: list[list[int]]  # per request: the accepted drafts, then the target's token (1..K+1 tokens)
@@ -231,7 +254,7 @@ def speculative_decode(
     verify_ids = torch.cat((pending, draft_ids.cpu()), dim=1)  # [B, K+1]
     meta = build_page_metadata([s.page_table.pages for s in seqs], [k + 1] * batch,
                                [s.num_computed + k + 1 for s in seqs], page_size, target.device)
-    out = target.run(verify_ids.flatten().to(target.device), meta)
+    out = target.run(verify_ids.flatten().to(target.device), meta, aux_layers=drafter.target_aux_layers)
     target_logits = out.logits.view(batch, k + 1, -1)  # [B, K+1, V]
     if draft_probs is None:
         emitted, num_emitted = greedy_verify(draft_ids, target_logits.argmax(-1))
@@ -241,4 +264,5 @@ def speculative_decode(
                          repeat(sampling.top_p)).view(batch, k + 1, -1)  # [B, K+1, V]
         emitted, num_emitted = rejection_sample(draft_ids, draft_probs, p, generators)
     rows = [row[:n] for row, n in zip(emitted.tolist(), num_emitted.tolist())]
-    return SpecOutput(rows, out.hidden_states.view(batch, k + 1, -1), draft_time, time.perf_counter() - start)
+    hidden = drafter.target_features(out).view(batch, k + 1, -1)
+    return SpecOutput(rows, hidden, draft_time, time.perf_counter() - start)

@@ -30,6 +30,7 @@ from infer.loader import load_model
 from infer.models.llama import fused_rows
 from infer.models.mtp_head import (
     HEAD_FILES,
+    DraftHead,
     HeadLoadError,
     MTPHead,
     MTPHeadConfig,
@@ -188,6 +189,9 @@ def export_config(config: MTPHeadConfig, fmt: str, source: str, target_path: str
 
 
 def check_exportable(config: MTPHeadConfig, fmt: str) -> None:
+    if config.architecture == "eagle3" and fmt != "runtime":
+        raise ExportError(f"an EAGLE-3 head exports to the runtime format only, not {fmt!r} (its keys are already "
+                          "EAGLE-3's own: fc, layer.*, d2t, t2d, see infer/models/eagle3_head.py)")
     if fmt == "sglang-nextn":
         problems = [f"no {name}" for name in ("enorm", "hnorm", "final_norm") if not getattr(config, name)]
         problems += ["a projection bias"] if config.proj_bias else []
@@ -201,7 +205,7 @@ def check_exportable(config: MTPHeadConfig, fmt: str) -> None:
 
 
 # --- writing ---------------------------------------------------------------------------------------------------
-def export_head(head: str | Path | MTPHead, fmt: str, out: str | Path, target: str | Path | None = None,
+def export_head(head: str | Path | DraftHead, fmt: str, out: str | Path, target: str | Path | None = None,
                 overwrite: bool = False) -> Path:
     """Write `head` (a folder or an in-memory MTPHead) in format `fmt` to `out`.
 
@@ -211,8 +215,8 @@ def export_head(head: str | Path | MTPHead, fmt: str, out: str | Path, target: s
     if fmt not in FORMATS:
         raise ExportError(f"unknown format {fmt!r}: choose one of {', '.join(FORMATS)}")
     out = Path(out)
-    source = str(head) if not isinstance(head, MTPHead) else f"in-memory {head.config.architecture} head"
-    if not isinstance(head, MTPHead):
+    source = str(head) if not isinstance(head, DraftHead) else f"in-memory {head.config.architecture} head"
+    if not isinstance(head, DraftHead):
         head = load_head(head, load_model(target)) if target is not None else read_head(head)
     elif target is not None:
         check_target(head.config, load_model(target), "the head")

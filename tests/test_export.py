@@ -158,10 +158,15 @@ def test_a_target_with_other_shared_tensors_is_refused(stories_model, head_dirs,
         load_export(out, other)
 
 
-def test_formats_that_cannot_hold_the_head_are_refused(head_dirs, tmp_path):
+def test_formats_that_cannot_hold_the_head_are_refused(head_dirs, tmp_path, stories_model):
     with pytest.raises(ExportError, match="no enorm, no hnorm, no final_norm, a projection bias"):
         export_head(head_dirs["eagle1"], "sglang-nextn", tmp_path / "n")
     assert not (tmp_path / "n").exists()
+    eagle3 = init_head_from_target(stories_model, "stories260K", "eagle3")
+    for fmt in ("sglang-nextn", "eagle"):
+        with pytest.raises(ExportError, match="EAGLE-3 head exports to the runtime format only"):
+            export_head(eagle3, fmt, tmp_path / fmt)
+    assert load_export(export_head(eagle3, "runtime", tmp_path / "r"), stories_model).config == eagle3.config
 
 
 @pytest.mark.parametrize("missing", ["k_proj", "v_proj"])  # a hole in the rows, and rows short at the end
