@@ -58,6 +58,7 @@ class ModelConfig:
     trainer_defaults: TrainerDefaults = field(default_factory=TrainerDefaults)
     validate_in_training: bool = True  # serve the head with infer/ at each evaluation (the target on validate_tp ranks)
     validate_tp: int = field(default=1, metadata=at_least(1))  # ranks that serve the target in validation, 1/T each
+    draft_vocab_size: Optional[int] = field(default=None, metadata=at_least(1))  # EAGLE-3's, per target vocabulary
 
 
 @dataclass
@@ -70,6 +71,39 @@ class DataConfig:
     truncate: bool = True
     on_error: str = field(default="skip", metadata=one_of("skip", "fail"))
     limit: Optional[int] = field(default=None, metadata=at_least(1))
+
+
+@dataclass
+class HeadLoss:
+    """A head architecture's loss recipe; conf/config.yaml's `loss` reads it by interpolation."""
+
+    kl: float = field(default=1.0, metadata=at_least(0.0))
+    ce: float = field(default=0.0, metadata=at_least(0.0))
+    feature: float = field(default=0.0, metadata=at_least(0.0))
+
+
+@dataclass
+class HeadConfig:
+    """conf/head/*.yaml. The precompute reads it too: an EAGLE-3 head's layer_ids are the aux layers it stores."""
+
+    architecture: str = field(default="mtp", metadata=one_of("mtp", "eagle1", "eagle3"))
+    enorm: bool = True
+    hnorm: bool = True
+    final_norm: bool = True
+    layer_input_norm: bool = True
+    proj_bias: bool = False
+    hidden_state: str = field(default="pre_norm", metadata=one_of("pre_norm", "post_norm"))
+    mlp: str = field(default="dense", metadata=one_of("dense", "moe"))  # "moe": DeepSeek-V2 targets only
+    init: str = field(default="from_target_last_layer", metadata=one_of("from_target_last_layer", "random"))
+    loss: HeadLoss = field(default_factory=HeadLoss)
+    # EAGLE-3 (infer/models/eagle3_head.py): target layer ids (null: the default rule), the draft vocabulary
+    # (null: the whole vocabulary; chosen by `draft_vocab_rule` over up to `draft_vocab_tokens` training tokens)
+    # and whether the head trains its own lm_head rows (else the target's, frozen and shared)
+    layer_ids: Optional[list[int]] = None
+    draft_vocab_size: Optional[int] = field(default=None, metadata=at_least(1))
+    draft_vocab_rule: str = field(default="probability", metadata=one_of("probability", "frequency"))
+    draft_vocab_tokens: int = field(default=2_000_000, metadata=at_least(1))
+    trainable_lm_head: bool = False
 
 
 # --- precompute -----------------------------------------------------------------------------------------------
@@ -95,6 +129,7 @@ class PrecomputeSettings:
 class PrecomputeConfig:
     model: ModelConfig = field(default_factory=ModelConfig)
     data: DataConfig = field(default_factory=DataConfig)
+    head: HeadConfig = field(default_factory=HeadConfig)  # its target layers are stored beside precompute.aux_layers
     output_dir: str = MISSING
     precompute: PrecomputeSettings = field(default_factory=PrecomputeSettings)
 

@@ -56,6 +56,8 @@ from infer.cli import run_cli
 from infer.kv_cache import PagePool, PageTable, build_page_metadata, pages_needed
 from infer.loader import DTYPES, load_config, load_model, safetensors_files
 from infer.model_runner import ModelRunner
+from infer.models.eagle3_head import head_aux_layers
+from infer.models.head_base import HeadLoadError
 from infer.parallel import init_tp, on_rank0
 
 # Tests: after this many shards, leave the next one's temp file torn (half of it) and SIGKILL the process.
@@ -298,14 +300,20 @@ def _barrier(world: int) -> None:
         dist.barrier()
 
 
-def _validate(cfg: DictConfig, num_layers: int) -> tuple[torch.dtype, torch.dtype, list[int]]:
-    """What the schema cannot know: the aux layers against the model's depth (types and ranges: data_tools.config)."""
-    pc = cfg.precompute
+def _validate(cfg: DictConfig, model_config) -> tuple[torch.dtype, torch.dtype, list[int]]:
+    """What the schema cannot know: the aux layers against the model's depth (types and ranges: data_tools.config),
+    with the layers the head asks for (an EAGLE-3 head's `head.layer_ids`) added."""
+    pc, num_layers = cfg.precompute, model_config.num_hidden_layers
     aux_layers = list(pc.aux_layers)
     bad = [x for x in aux_layers if not 0 <= x < num_layers]
     if bad or len(set(aux_layers)) != len(aux_layers):
         raise DataError(f"precompute.aux_layers must be distinct layer indices in [0, {num_layers}), got {aux_layers}")
-    return DTYPES[pc.dtype], DTYPES[pc.model_dtype], sorted(aux_layers)
+    if cfg.head.architecture == "eagle3":
+        try:
+            aux_layers += head_aux_layers(model_config, cfg.head.layer_ids)
+        except HeadLoadError as err:
+            raise DataError(str(err)) from err
+    return DTYPES[pc.dtype], DTYPES[pc.model_dtype], sorted(set(aux_layers))
 
 
 def run(cfg: DictConfig) -> dict | None:
@@ -317,7 +325,7 @@ def run(cfg: DictConfig) -> dict | None:
     progress = bool(pc.progress) and rank == 0
     model_dir, out_dir = Path(cfg.model.path), Path(cfg.output_dir)
     model_config = load_config(model_dir)
-    out_dtype, model_dtype, aux_layers = _validate(cfg, model_config.num_hidden_layers)
+    out_dtype, model_dtype, aux_layers = _validate(cfg, model_config)
     tokenizer = AutoTokenizer.from_pretrained(model_dir)
 
     records, report = load_records(cfg.data, tokenizer, progress)

@@ -8,6 +8,11 @@ character offsets: a token is in the loss mask when its characters overlap an as
 the special token (end of turn) that directly follows it. Tokenizing the whole text once keeps the ids exactly
 those the target sees; masking by offsets cannot drift the way per-turn tokenization does.
 
+Special tokens the template writes (`<s>`, `<|eot_id|>`, ...) always become their ids (`split_special_tokens=False`
+on every call), whatever the tokenizer's own setting: the stories260K converter sets split_special_tokens=True so
+that a user's literal "<s>" stays text, as in llama2.c, which would otherwise turn the template's BOS and end token
+into the pieces `< s >` and give records that never contain the id the target was trained on.
+
 loss_mask[i] = 1 means token i is an assistant token, a token the draft head should learn to predict (from the
 features at position i - 1); the trainer does the shift.
 """
@@ -92,7 +97,11 @@ class ChatFormat:
     def prompt_ids(self, messages: list[dict[str, str]]) -> list[int]:
         """Token ids of the conversation so far plus the generation prompt: what the target continues."""
         text = self.render(messages, add_generation_prompt=True)
-        return self.tokenizer(text, add_special_tokens=False)["input_ids"]
+        return self._encode(text)["input_ids"]
+
+    def _encode(self, text: str, **kwargs) -> dict:
+        """Rendered text -> ids, the template's special tokens as their ids (module docstring)."""
+        return self.tokenizer(text, add_special_tokens=False, split_special_tokens=False, **kwargs)
 
     def _render_with_spans(self, conversation: Conversation) -> tuple[str, list[tuple[int, int]]]:
         """The rendered text and the character spans [start, end) that carry loss."""
@@ -129,7 +138,7 @@ class ChatFormat:
     def tokenize(self, conversation: Conversation) -> tuple[TokenizedRecord, bool]:
         """(record, truncated); raises _Skip for a record that cannot be used."""
         text, spans = self._render_with_spans(conversation)
-        encoded = self.tokenizer(text, add_special_tokens=False, return_offsets_mapping=True)
+        encoded = self._encode(text, return_offsets_mapping=True)
         ids = encoded["input_ids"]
         offsets = np.asarray(encoded["offset_mapping"], dtype=np.int64).reshape(-1, 2)
         mask = np.zeros(len(ids), dtype=bool)

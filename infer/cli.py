@@ -34,7 +34,8 @@ def add_engine_args(parser: argparse.ArgumentParser) -> None:
 def add_spec_args(parser: argparse.ArgumentParser) -> None:
     group = parser.add_argument_group("speculative decoding")
     group.add_argument("--spec", choices=["none", "draft", "mtp"], default="none",
-                       help="draft: a smaller LM folder proposes; mtp: an MTP head folder proposes (default none)")
+                       help="draft: a smaller LM folder proposes; mtp: a head folder proposes (MTP, EAGLE-1 or "
+                            "EAGLE-3, from its config) (default none)")
     group.add_argument("--draft", type=Path, help="the draft LM folder (--spec draft) or head folder (--spec mtp)")
     group.add_argument("--num-draft-tokens", type=int, default=None,
                        help="K, tokens proposed per step (default: the head's recommended K for the batch, else 4)")

@@ -24,13 +24,11 @@ from transformers import PreTrainedTokenizerBase
 from infer.kv_cache import OutOfPages, PagePool, PageTable, build_page_metadata, pages_needed
 from infer.loader import default_eos_ids, load_model, load_tokenizer
 from infer.model_runner import ModelRunner
-from infer.models.mtp_head import load_head
+from infer.models.mtp_head import DRAFTER_KINDS, load_head
 from infer.sampler import SamplingTensors, make_generator, sample
 from infer.sampling_params import SamplingParams
 from infer.models.common import ModelOutput
-from infer.speculative import (
-    CATCH_UP_SCHEDULES, Drafter, DraftModel, MTPDrafter, SpecOutput, SpecStats, speculative_decode,
-)
+from infer.speculative import CATCH_UP_SCHEDULES, DRAFTERS, Drafter, SpecOutput, SpecStats, speculative_decode
 
 
 @dataclass
@@ -153,16 +151,19 @@ class Engine:
         self.spec_stats: SpecStats | None = None
 
     def load_drafter(self, kind: str, path: str | Path) -> None:
-        """Attach a draft LM folder (kind "draft") or an MTP head folder (kind "mtp") from disk."""
+        """Attach a draft LM folder (kind "draft") or a head folder (kind "mtp": the head's architecture picks its
+        drafter, MTP / EAGLE-1 or EAGLE-3) from disk."""
         if kind == "draft":
             param = next(self.model.parameters())
             model = load_model(path, dtype=param.dtype, device=param.device)
         else:
             model = load_head(path, self.model)
+            kind = DRAFTER_KINDS[model.config.architecture]
         self.attach_drafter(kind, model)
 
     def attach_drafter(self, kind: str, model: torch.nn.Module) -> None:
-        """Speculate with a draft LM (kind "draft") or an MTP head (kind "mtp") on the engine's own pages."""
+        """Speculate with a draft LM (kind "draft"), an MTP / EAGLE-1 head ("mtp") or an EAGLE-3 head ("eagle3") on
+        the engine's own pages."""
         if self.has_unfinished():
             raise RuntimeError("attach a drafter before adding requests")
         if self.num_draft_tokens < 1:
@@ -175,10 +176,12 @@ class Engine:
         if self.config.draft_catch_up not in CATCH_UP_SCHEDULES:
             raise ValueError(f"draft_catch_up must be one of {', '.join(CATCH_UP_SCHEDULES)}, "
                              f"got {self.config.draft_catch_up!r}")
-        if self.config.draft_catch_up == "verified" and kind != "mtp":
+        if self.config.draft_catch_up == "verified" and kind == "draft":
             raise ValueError("draft_catch_up='verified' is the MTP head's schedule; a draft LM catches up 'accepted'")
-        drafter_cls = {cls.kind: cls for cls in (DraftModel, MTPDrafter)}[kind]
-        self.drafter = drafter_cls(model, self.pool.num_pages, self.config.page_size, self.config.backend)
+        architecture = getattr(model.config, "architecture", None)
+        if kind != "draft" and DRAFTER_KINDS.get(architecture) != kind:
+            raise ValueError(f"a {architecture} head drafts as kind {DRAFTER_KINDS.get(architecture)!r}, not {kind!r}")
+        self.drafter = DRAFTERS[kind](model, self.pool.num_pages, self.config.page_size, self.config.backend)
         self.reset_spec_stats()
 
     def reset_spec_stats(self) -> None:
@@ -314,7 +317,8 @@ class Engine:
         if speculating:
             def target_forward(verify_ids: torch.Tensor) -> ModelOutput:  # [B_spec, K+1] -> the verify rows
                 out = forwarded["out"] = self._target_forward(rows, speculating, verify_ids)
-                return ModelOutput(out.logits[len(rows.sample_rows):], out.hidden_states[rows.num_tokens:])
+                features = forwarded["features"] = self.drafter.target_features(out)  # what the drafter reads
+                return ModelOutput(out.logits[len(rows.sample_rows):], features[rows.num_tokens:])
 
             sampling = SamplingTensors.from_params([r.params for r in speculating], self.device)
             spec_out = speculative_decode(target_forward, self.drafter, speculating, self.num_draft_tokens, sampling,
@@ -333,8 +337,11 @@ class Engine:
         if self.drafter is not None:  # keep the drafter in lockstep: it reads what the target just settled
             start = time.perf_counter()
             live = [(i, r) for i, (r, _) in enumerate(rows.scheduled) if not r.finished and self._reserve_catch_up(r)]
+            features = forwarded.get("features")
+            if features is None and live:
+                features = self.drafter.target_features(out)
             hidden = {r.request_id: (rows.kv_lens[i] - rows.q_lens[i],
-                                     out.hidden_states[rows.first_rows[i] : rows.first_rows[i + 1]]) for i, r in live}
+                                     features[rows.first_rows[i] : rows.first_rows[i + 1]]) for i, r in live}
             hidden.update(spec_hidden)
             self.drafter.catch_up([r for _, r in live] + [r for r in speculating if r.request_id in spec_hidden], hidden)
             for request in speculating:  # both caches keep their settled prefixes only
@@ -361,7 +368,7 @@ class Engine:
             ids = torch.cat((ids, verify_ids.flatten().to(self.device)))
             verify_rows = torch.arange(rows.num_tokens, ids.shape[0], device=self.device)
             logits_rows = torch.cat((logits_rows, verify_rows))
-        return self.runner.run(ids, meta, logits_rows)
+        return self.runner.run(ids, meta, logits_rows, aux_layers=self.drafter.target_aux_layers if self.drafter else ())
 
     def _settle_speculation(self, requests: list[Request], out: SpecOutput,
                             finished: list[Request]) -> dict[int, tuple[int, torch.Tensor]]:

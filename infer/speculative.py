@@ -13,7 +13,9 @@ scheduler), and its per-request state (`DraftState`) behind its methods. The two
 position eats:
   - `DraftModel` (a small LM): position i reads token t_i, so it runs one token ahead of the target;
   - `MTPDrafter` (an MTP head): position i reads (t_{i+1}, h_i), h_i the target's hidden state, so it catches up
-    over exactly the positions the target computed; its own h' feeds its later drafts.
+    over exactly the positions the target computed; its own h' feeds its later drafts;
+  - `Eagle3Drafter` (an EAGLE-3 head): the same, h_i being the head's fusion of three of the target's layers, which
+    every target forward (prefill, decode, verify) returns as aux hidden states (`target_aux_layers`).
 
 `speculative_decode` is gpt-fast's `speculative_decode`, batched: a function of the target's forward, the drafter
 and the decode requests that speculate this step, returning the emitted tokens. The target forward is the engine's:
@@ -86,13 +88,17 @@ class SpecStats:
         return self.emitted / self.verify_steps if self.verify_steps else 0.0
 
     def conditional_acceptance(self) -> tuple[list[float | None], list[float | None]]:
-        """Per draft position j: (accepted at j / steps that reached j, its binomial standard error); None where
-        no step reached j. Unlike `acceptance_per_position` (the unconditional share of steps), these do not
+        """Per draft position j: (accepted at j / steps that reached j, its binomial standard error); 0 where no
+        step reached j. Unlike `acceptance_per_position` (the unconditional share of steps), these do not
         compound: tau = 1 + sum_j prod_{i<=j} a_i."""
-        reached = [self.verify_steps, *self.accepted_per_position[:-1]]
-        rates = [a / n if n else None for a, n in zip(self.accepted_per_position, reached)]
-        errors = [math.sqrt(r * (1 - r) / n) if n else None for r, n in zip(rates, reached)]
+        reached = self.reached()
+        rates = [a / n if n else 0.0 for a, n in zip(self.accepted_per_position, reached)]
+        errors = [math.sqrt(r * (1 - r) / n) if n else 0.0 for r, n in zip(rates, reached)]
         return rates, errors
+
+    def reached(self) -> list[int]:
+        """Per draft position j: the steps that reached it (drafts 1..j-1 accepted)."""
+        return [self.verify_steps, *self.accepted_per_position[:-1]]
 
     def to_dict(self) -> dict:
         steps = max(self.verify_steps, 1)
@@ -103,8 +109,9 @@ class SpecStats:
             "speculated_share": round(self.verify_steps / max(self.verify_steps + self.plain_decodes, 1), 4),
             "tau": round(self.tau, 4),
             "acceptance_per_position": [round(a / steps, 4) for a in self.accepted_per_position],  # unconditional
-            "conditional_acceptance": [None if r is None else round(r, 4) for r in rates],
-            "conditional_acceptance_se": [None if e is None else round(e, 4) for e in errors],
+            "conditional_acceptance": [round(r, 4) for r in rates],
+            "conditional_acceptance_se": [round(e, 4) for e in errors],
+            "reached": self.reached(),
             "accepted_length_histogram": list(self.accepted_length_histogram),
             "draft_time_s": round(self.draft_time_s, 4),
             "verify_time_s": round(self.verify_time_s, 4),
@@ -126,6 +133,7 @@ class Drafter:
     kind: str  # what Engine.attach_drafter calls it
     token_shift = 0  # position i reads token t_{i + token_shift}
     needs_hidden_states = False
+    target_aux_layers: tuple[int, ...] = ()  # intermediate layers the target's forwards must return for it
 
     def __init__(self, model: torch.nn.Module, num_pages: int, page_size: int, backend: str) -> None:
         self.runner = ModelRunner(model, num_pages, page_size, backend)
@@ -162,6 +170,10 @@ class Drafter:
         """The request finished or lost its pages (preemption): its drafter state goes with them."""
         self._states.pop(request_id, None)
 
+    def target_features(self, out: ModelOutput) -> Tensor:
+        """[T, H] what the drafter reads from a target forward at each of its positions (catch-up's hidden)."""
+        return out.hidden_states
+
     # --- forwards ---------------------------------------------------------------------------------
     def catch_up(self, seqs: list[Sequence], target_hidden: dict[int, tuple[int, Tensor]]) -> None:
         """Run the drafter over each request's unsettled positions; keep the last position's output as carry.
@@ -183,15 +195,11 @@ class Drafter:
         last_rows = torch.tensor(q_lens).cumsum(0) - 1  # [B] each span's last row in the packed batch
         out = self._forward(
             input_ids, [s.page_table.pages for s, _, _ in spans], q_lens, [end for _, _, end in spans],
-            self.target_input(torch.cat(hidden_rows)) if hidden_rows else None, last_rows.to(self.device),
+            torch.cat(hidden_rows) if hidden_rows else None, last_rows.to(self.device),
         )
         for i, (seq, _, end) in enumerate(spans):
             hidden = out.hidden_states[int(last_rows[i])] if self.needs_hidden_states else None
             self._states[seq.request_id] = DraftState(end, out.logits[i], hidden)
-
-    def target_input(self, target_hidden: Tensor) -> Tensor:
-        """The target's hidden states as the drafter reads them (an MTP head may want them after the final norm)."""
-        return target_hidden
 
     def propose(
         self, seqs: list[Sequence], k: int, sampling: SamplingTensors, generators: list[torch.Generator]
@@ -242,8 +250,9 @@ class MTPDrafter(Drafter):
     token_shift = 1
     needs_hidden_states = True
 
-    def target_input(self, target_hidden: Tensor) -> Tensor:
-        return self.runner.model.target_input(target_hidden)  # MTPHead: the target's final norm for post_norm heads
+    @torch.inference_mode()
+    def target_features(self, out: ModelOutput) -> Tensor:
+        return self.runner.model.features(out.hidden_states)  # h_i, through the target's norm for post_norm heads
 
     def catch_up_verified(self, seqs: list[Sequence], verify_ids: Tensor, emitted: Tensor, num_emitted: Tensor,
                           target_hidden: Tensor) -> None:
@@ -259,7 +268,7 @@ class MTPDrafter(Drafter):
         own_tokens = torch.where(emitted >= 0, emitted, verify_ids)  # [B, K+1]: past the emitted ones, any token
         last_rows = torch.arange(batch, device=self.device) * width + num_emitted - 1  # [B] the carry's rows
         out = self._forward_verified(own_tokens.flatten(), [s.page_table.pages for s in seqs], first, width,
-                                     self.target_input(target_hidden.flatten(0, 1)), last_rows)
+                                     target_hidden.flatten(0, 1), last_rows)
         carried_hidden = out.hidden_states[last_rows]  # [B, H]
         counts = num_emitted.tolist()  # the step's host read, after the head's forward was launched
         for i, seq in enumerate(seqs):
@@ -273,6 +282,24 @@ class MTPDrafter(Drafter):
 
 
 CATCH_UP_SCHEDULES = ("accepted", "verified")
+
+
+class Eagle3Drafter(MTPDrafter):
+    """An EAGLE-3 head: step 0 reads its fc-fusion of the target's low, mid and high layers."""
+
+    kind = "eagle3"
+
+    def __init__(self, model: torch.nn.Module, num_pages: int, page_size: int, backend: str) -> None:
+        super().__init__(model, num_pages, page_size, backend)
+        self.target_aux_layers = tuple(model.target_aux_layers)
+
+    @torch.inference_mode()
+    def target_features(self, out: ModelOutput) -> Tensor:
+        aux = torch.stack([out.aux_hidden_states[layer] for layer in self.target_aux_layers], dim=1)  # [T, 3, H]
+        return self.runner.model.features(out.hidden_states, aux.to(self.runner.dtype))
+
+
+DRAFTERS: dict[str, type[Drafter]] = {cls.kind: cls for cls in (DraftModel, MTPDrafter, Eagle3Drafter)}
 
 
 @dataclass

@@ -11,30 +11,7 @@ from typing import Optional
 from hydra.core.config_store import ConfigStore
 from omegaconf import MISSING, DictConfig
 
-from data_tools.config import DataConfig, ModelConfig, at_least, compose, one_of
-
-
-@dataclass
-class HeadLoss:
-    """A head architecture's loss recipe; conf/config.yaml's `loss` reads it by interpolation."""
-
-    kl: float = field(default=1.0, metadata=at_least(0.0))
-    ce: float = field(default=0.0, metadata=at_least(0.0))
-    feature: float = field(default=0.0, metadata=at_least(0.0))
-
-
-@dataclass
-class HeadConfig:
-    architecture: str = field(default="mtp", metadata=one_of("mtp", "eagle1"))
-    enorm: bool = True
-    hnorm: bool = True
-    final_norm: bool = True
-    layer_input_norm: bool = True
-    proj_bias: bool = False
-    hidden_state: str = field(default="pre_norm", metadata=one_of("pre_norm", "post_norm"))
-    mlp: str = field(default="dense", metadata=one_of("dense", "moe"))  # "moe": DeepSeek-V2 targets only
-    init: str = field(default="from_target_last_layer", metadata=one_of("from_target_last_layer", "random"))
-    loss: HeadLoss = field(default_factory=HeadLoss)
+from data_tools.config import DataConfig, HeadConfig, ModelConfig, at_least, compose, one_of
 
 
 @dataclass
@@ -42,7 +19,7 @@ class LossConfig:
     kl: float = field(default=1.0, metadata=at_least(0.0))
     ce: float = field(default=0.0, metadata=at_least(0.0))
     feature: float = field(default=0.0, metadata=at_least(0.0))
-    unroll_steps: int = field(default=1, metadata=at_least(1, max=16))
+    unroll_steps: int = field(default=4, metadata=at_least(1, max=16))
     step_decay: float = field(default=0.8, metadata=at_least(0.0, max=1.0))
     chunk_tokens: int = field(default=512, metadata=at_least(1))
 
@@ -76,11 +53,11 @@ class ValidateConfig:
     enabled: bool = True
     tp: int = field(default=1, metadata=at_least(1))  # trainer ranks serving the target together; divides them
     num_draft_tokens: int = field(default=4, metadata=at_least(1, max=16))
-    max_new_tokens: int = field(default=32, metadata=at_least(1))
+    max_new_tokens: int = field(default=128, metadata=at_least(1))
     temperatures: list[float] = field(default_factory=lambda: [0.0, 1.0])
-    batch_size: int = field(default=8, metadata=at_least(1))
+    batch_size: int = field(default=16, metadata=at_least(1))
     repeats: int = field(default=1, metadata=at_least(1))
-    prompts: Optional[str] = None  # JSONL prompts; null: infer.prompts.DEFAULT_PROMPTS
+    prompts: Optional[str] = None  # JSONL prompts; null: infer.prompts.VALIDATION_PROMPTS (64 held-out openings)
 
 
 @dataclass

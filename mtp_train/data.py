@@ -13,8 +13,8 @@ The shift (record of L tokens t_0..t_{L-1}, stored target states h_0..h_{L-1}; h
     targets            the target's distribution at i+1+k (softmax(lm_head(norm(h_{i+1+k})))), its argmax,
                        and h_{i+1+k} for the feature loss
     trained when       loss_mask[i+1+k]: the token fed in is an assistant token
-Step k's positions only see step k's own keys (causal per record): a simplification of inference, where the
-draft at step k also sees the keys step 0 wrote for earlier positions.
+Step k at anchor i attends to the step-0 keys of anchors 0..i and to its own chain's keys of steps 1..k at anchor
+i, as the runtime's drafter does (mtp_train.ttt); a step's anchors are a prefix of the previous step's.
 """
 
 from __future__ import annotations
@@ -26,6 +26,7 @@ import torch
 
 from data_tools.conversations import DataError
 from data_tools.features import EpochSampler, FeatureDataset, verify_shards
+from data_tools.shards import read_manifest
 from mtp_train import distributed
 
 
@@ -40,14 +41,16 @@ class PackedBatch:
     loss_mask: torch.Tensor  # [T] bool
     seq_lens: list[int]
     record_ids: list[int]  # dataset indices, for logging the data order
+    aux_hidden_states: torch.Tensor | None = None  # [T, n, H] the target layers an EAGLE-3 head fuses, in its order
 
     @property
     def num_tokens(self) -> int:
         return int(self.input_ids.numel())
 
     def to(self, device: torch.device, dtype: torch.dtype) -> "PackedBatch":
+        aux = None if self.aux_hidden_states is None else self.aux_hidden_states.to(device, dtype)
         return PackedBatch(self.input_ids.to(device), self.hidden_states.to(device, dtype), self.loss_mask.to(device),
-                           self.seq_lens, self.record_ids)
+                           self.seq_lens, self.record_ids, aux)
 
 
 @dataclass
@@ -56,13 +59,14 @@ class UnrollStep:
     prev_index: torch.Tensor  # [T_k] into the previous step's hidden states (step 0: the packed h_i)
     positions: torch.Tensor  # [T_k] i + k
     seq_lens: list[int]  # per record with positions left at this step
+    records: list[int]  # those records' indices in the batch
 
 
 def unroll_plan(seq_lens: list[int], num_steps: int, device: torch.device | str = "cpu") -> list[UnrollStep]:
     steps: list[UnrollStep] = []
     prev_offsets = [sum(seq_lens[:r]) for r in range(len(seq_lens))]  # step 0 reads h_i from the packed batch
     for k in range(num_steps):
-        token_index, prev_index, positions, lens, offsets = [], [], [], [], []
+        token_index, prev_index, positions, lens, offsets, records = [], [], [], [], [], []
         out = 0
         for r, length in enumerate(seq_lens):
             n = length - 1 - k
@@ -75,12 +79,13 @@ def unroll_plan(seq_lens: list[int], num_steps: int, device: torch.device | str 
             prev_index.append(prev_offsets[r] + i)
             positions.append(i + k)
             lens.append(n)
+            records.append(r)
             offsets.append(out)
             out += n
         if not lens:
             break
         steps.append(UnrollStep(torch.cat(token_index).to(device), torch.cat(prev_index).to(device),
-                                torch.cat(positions).to(device), lens))
+                                torch.cat(positions).to(device), lens, records))
         prev_offsets = offsets
     return steps
 
@@ -93,8 +98,9 @@ def step_token_counts(batch: PackedBatch, num_steps: int) -> torch.Tensor:
     return counts
 
 
-def open_features(path: str | Path, hidden_size: int) -> FeatureDataset:
-    """The features, every shard checked against the manifest before training reads it (size, header, sha256).
+def open_features(path: str | Path, hidden_size: int, aux_layers: tuple[int, ...] = ()) -> FeatureDataset:
+    """The features with the aux layers a head reads (infer's layer indices, in the head's order), every shard
+    checked against the manifest before training reads it (size, header, sha256).
 
     Every rank reads records of every shard, so every shard is hashed once per run on each node: the node's
     LOCAL_WORLD_SIZE processes (torchrun's; a plain run is a node of one) hash every LOCAL_WORLD_SIZE-th shard
@@ -107,18 +113,24 @@ def open_features(path: str | Path, hidden_size: int) -> FeatureDataset:
     if not (path / "manifest.json").is_file():
         raise FeatureError(f"features_dir={path}: no manifest.json (run python -m data_tools.precompute first)")
 
-    def check(root: Path, manifest: dict) -> None:  # the cheap mismatch first, then the shards
+    def check(root: Path, manifest: dict) -> None:  # the cheap mismatches first, then the shards
         stored = int(manifest["hidden_size"])
         if stored != hidden_size:
             raise FeatureError(
                 f"{root}: features have hidden size {stored} but the target has {hidden_size}: they were "
                 f"precomputed for another model ({manifest.get('model', {}).get('path')})"
             )
+        stored_aux = manifest.get("aux_layers", [])
+        missing = [layer for layer in aux_layers if layer not in stored_aux]
+        if missing:
+            raise FeatureError(f"{root}: the head reads target layers {list(aux_layers)} (infer aux indices), the "
+                               f"features hold {stored_aux}: precompute with the same head=... "
+                               "(or precompute.aux_layers)")
         part, parts = distributed.local_part()
         verify_shards(root, manifest, part, parts, gather=distributed.all_gather_lists)
 
     try:
-        return FeatureDataset(path, verify=check)
+        return FeatureDataset(path, list(aux_layers), verify=check)
     except DataError as err:
         raise FeatureError(str(err)) from err
 
@@ -139,6 +151,7 @@ def collate(dataset: FeatureDataset, record_ids: list[int], seq_len: int) -> Pac
         loss_mask=torch.cat([x["loss_mask"][:seq_len] for x in items]),
         seq_lens=[min(len(x["input_ids"]), seq_len) for x in items],
         record_ids=list(record_ids),
+        aux_hidden_states=torch.cat([x["aux_hidden_states"][:seq_len] for x in items]) if dataset.aux_layers else None,
     )
 
 

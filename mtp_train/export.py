@@ -45,6 +45,7 @@ from infer.models.llama import fused_rows
 from mtp_train.engine_loaders import engine_layer_ids, loaders
 from infer.models.mtp_head import (
     HEAD_FILES,
+    DraftHead,
     HeadLoadError,
     MTPHead,
     MTPHeadConfig,
@@ -222,6 +223,9 @@ def check_exportable(config: MTPHeadConfig, fmt: str) -> None:
     """Refuse a head that the format's engines would serve as another function, or feed other inputs."""
     if fmt == "runtime":
         return
+    if config.architecture == "eagle3":
+        raise ExportError(f"an EAGLE-3 head exports to the runtime format only, not {fmt!r} (its keys are already "
+                          "EAGLE-3's own: fc, layer.*, d2t, t2d, see infer/models/eagle3_head.py)")
     post_norm = config.hidden_state == "post_norm"
     if fmt == "sglang-nextn":
         if config.decoder_type == "llama":
@@ -294,7 +298,7 @@ def recommended_k_from_report(report: Path) -> dict[str, int]:
                           f"(python -m mtp_train.validate writes one): {err!r}") from err
 
 
-def export_head(head: str | Path | MTPHead, fmt: str, out: str | Path, target: str | Path | None = None,
+def export_head(head: str | Path | DraftHead, fmt: str, out: str | Path, target: str | Path | None = None,
                 overwrite: bool = False, report: Path | None = None) -> Path:
     """Write `head` (a folder or an in-memory MTPHead) in format `fmt` to `out`.
 
@@ -304,8 +308,8 @@ def export_head(head: str | Path | MTPHead, fmt: str, out: str | Path, target: s
     if fmt not in FORMATS:
         raise ExportError(f"unknown format {fmt!r}: choose one of {', '.join(FORMATS)}")
     out = Path(out)
-    source = str(head) if not isinstance(head, MTPHead) else f"in-memory {head.config.architecture} head"
-    if not isinstance(head, MTPHead):
+    source = str(head) if not isinstance(head, DraftHead) else f"in-memory {head.config.architecture} head"
+    if not isinstance(head, DraftHead):
         head = load_head(head, load_model(target)) if target is not None else read_head(head)
     elif target is not None:
         check_target(head.config, load_model(target), "the head")

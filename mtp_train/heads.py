@@ -3,12 +3,15 @@
 Architectures (conf/head/*.yaml; each norm and the projection bias can still be overridden to measure them):
   mtp     h'_i = layer(W [enorm(Emb(t_{i+1})); hnorm(h_i)]), final_norm, then the target's lm_head
   eagle1  h'_i = layer(W [Emb(t_{i+1}); h_i] + b), no norms, as EAGLE-1
+  eagle3  fc(three target layers), a layer reading [norm(Emb); norm(state)], final_norm, a draft vocabulary's
+          lm_head rows (infer.models.eagle3_head); the vocabulary is chosen by the trainer (mtp_train.draft_vocab)
 The decoder layer is of the target's kind: a Llama layer, or for DeepSeek-V2 an MLA layer with a dense MLP (or
-the target's MoE, head.mlp=moe). head.hidden_state=post_norm feeds the head norm(h_i), the target's final norm
-applied to the stored states (no new precompute), as the runtime does at serving.
+the target's MoE, head.mlp=moe; EAGLE-3: Llama targets only). head.hidden_state=post_norm feeds the head norm(h_i),
+the target's final norm applied to the stored states (no new precompute), as the runtime does at serving.
 
 Initialisation (`head.init`):
-  eh_proj     [0 | I] (and a zero bias): the head starts by passing h_i through and ignoring the token. The
+  eh_proj     [0 | I] (and a zero bias; EAGLE-3's fc: [0 | 0 | I], the high layer): the head starts by passing
+              h_i through and ignoring the token. The
               token half still gets gradients at once (they are proportional to the embedding, not to W), and
               the starting head is exactly infer's `init_head_from_target` drafter: a real, weak guess, so the
               first losses are finite and meaningful instead of those of a random function. (With hnorm on, the
@@ -18,6 +21,9 @@ Initialisation (`head.init`):
               since the last layer is MoE; with head.mlp=moe the whole last layer, experts and router included);
               random: N(0, initializer_range) weights, zero biases, unit norms.
   final_norm  the target's final norm weight (from_target_last_layer), else ones; enorm/hnorm: ones.
+  EAGLE-3     its q/k/v read the state half of the last layer's (the embedding half starts at zero), hidden_norm
+              is that layer's input norm (Eagle3Head.load_target_layer); a trainable lm_head starts as the
+              target's rows at the draft ids, once the vocabulary is set.
 """
 
 from __future__ import annotations
@@ -29,8 +35,9 @@ from omegaconf import DictConfig
 from torch import nn
 from transformers import PretrainedConfig
 
-from infer.models.deepseek_v2 import DeepseekV2ForCausalLM, DeepseekV2MLP
-from infer.models.mtp_head import MTPHead, MTPHeadConfig, head_config_for, target_identity
+from infer.models.deepseek_v2 import DeepseekV2ForCausalLM
+from infer.models.llama import LlamaDecoderLayer
+from infer.models.mtp_head import DraftHead, MTPHeadConfig, head_config_for, head_module, target_identity
 from mtp_train.target import Target, TargetError, read_tensors
 
 SWITCHES = ("enorm", "hnorm", "final_norm", "proj_bias", "layer_input_norm")
@@ -39,15 +46,19 @@ SWITCHES = ("enorm", "hnorm", "final_norm", "proj_bias", "layer_input_norm")
 def head_config(config: PretrainedConfig, head_cfg: DictConfig, identity: dict) -> MTPHeadConfig:
     """MTPHeadConfig for a target config and a conf/head entry (its switches as given, not the defaults).
 
-    head.architecture and head.init were checked when the config was composed (mtp_train.config.HeadConfig)."""
+    head.architecture and head.init were checked when the config was composed (data_tools.config.HeadConfig)."""
+    eagle3 = head_cfg.architecture == "eagle3"
+    layer_ids = list(head_cfg.layer_ids) if eagle3 and head_cfg.layer_ids is not None else None
     return head_config_for(config, identity, head_cfg.architecture, head_cfg.hidden_state, head_cfg.mlp,
+                           layer_ids=layer_ids, draft_vocab_size=head_cfg.draft_vocab_size if eagle3 else None,
+                           trainable_lm_head=bool(head_cfg.trainable_lm_head) if eagle3 else False,
                            **{name: head_cfg[name] for name in SWITCHES})
 
 
-def build_head(target: Target, head_cfg: DictConfig, path: str, dtype: torch.dtype = torch.float32) -> MTPHead:
+def build_head(target: Target, head_cfg: DictConfig, path: str, dtype: torch.dtype = torch.float32) -> DraftHead:
     """The trainable head, initialised as documented above and attached to the target's shared tensors."""
     identity = target_identity(target.name, target.config, target.shared_sha256, path)
-    head = MTPHead(head_config(target.config, head_cfg, identity))
+    head = head_module(head_config(target.config, head_cfg, identity))
     init_head(head, target, head_cfg.init, path)
     return head.to(dtype).attach(target.shared)
 
@@ -63,20 +74,21 @@ def init_random(module: nn.Module, std: float) -> None:
             nn.init.ones_(sub.weight)
 
 
-def layer_state_from_checkpoint(path: str, config: PretrainedConfig, layer: nn.Module) -> dict[str, torch.Tensor]:
-    """The head layer's parameters from the target's checkpoint: the last layer (dense MLP: first dense layer).
+def layer_state_from_checkpoint(path: str, config: PretrainedConfig, names: list[str],
+                                moe_mlp: bool = False) -> dict[str, torch.Tensor]:
+    """The parameters `names` of an infer decoder layer from the target's checkpoint: its last layer (dense MLP:
+    the first dense layer).
 
     Llama's checkpoint keeps q/k/v and gate/up apart; infer's layer fuses them (qkv_proj, gate_up_proj), so
     those are concatenated in that order, as infer's loader places them."""
     last = config.num_hidden_layers - 1
     if config.model_type == "llama":
-        sources = {name: [f"model.layers.{last}.{n}" for n in _checkpoint_names(name)] for name, _ in layer.named_parameters()}
+        sources = {name: [f"model.layers.{last}.{n}" for n in _checkpoint_names(name)] for name in names}
     else:
         # DeepSeek-V2 layers before first_k_dense_replace are dense, the last one is MoE: a dense head MLP comes
         # from layer 0, an MoE one (head.mlp=moe) with the rest of the last layer
-        mlp_source = 0 if isinstance(layer.mlp, DeepseekV2MLP) else last
-        sources = {name: [f"model.layers.{mlp_source if name.startswith('mlp.') else last}.{name}"]
-                   for name, _ in layer.named_parameters()}
+        mlp_source = last if moe_mlp else 0
+        sources = {name: [f"model.layers.{mlp_source if name.startswith('mlp.') else last}.{name}"] for name in names}
     wanted = {key for keys in sources.values() for key in keys}
     if config.model_type != "llama":  # transformers-5 checkpoints fuse each MoE layer's experts: split as infer does
         wanted |= {f"model.layers.{last}.mlp.experts.{kind}" for kind in ("gate_up_proj", "down_proj")}
@@ -98,11 +110,18 @@ def _checkpoint_names(name: str) -> list[str]:
     return [name]
 
 
-def init_head(head: MTPHead, target: Target, init: str, path: str) -> None:
+def init_head(head: DraftHead, target: Target, init: str, path: str) -> None:
     head.init_identity_projection()
     with torch.no_grad():
-        if init == "from_target_last_layer":
-            head.layer.load_state_dict(layer_state_from_checkpoint(path, target.config, head.layer))
+        if init == "from_target_last_layer" and head.config.architecture == "eagle3":
+            with torch.device("meta"):  # the names of a target layer, to read from the checkpoint
+                names = [name for name, _ in LlamaDecoderLayer(head.config.decoder_config()).named_parameters()]
+            head.load_target_layer(layer_state_from_checkpoint(path, target.config, names))
+            head.final_norm.weight.copy_(target.norm_weight)
+        elif init == "from_target_last_layer":
+            names = [name for name, _ in head.layer.named_parameters()]
+            head.layer.load_state_dict(layer_state_from_checkpoint(path, target.config, names,
+                                                                   moe_mlp=head.config.mlp == "moe"))
             if head.config.final_norm:
                 head.final_norm.weight.copy_(target.norm_weight)
         else:

@@ -1,6 +1,6 @@
 """Parameter counts and the memory per GPU of a head training config, without loading any weights.
 
-    python -m mtp_train.inspect [--gpus 8] model=llama3_1_70b [head=eagle1] [trainer=zero3] [key=value ...]
+    python -m mtp_train.inspect [--gpus 8] model=llama3_1_70b [head=eagle1|eagle3] [trainer=zero3] [key=value ...]
     python -m mtp_train.inspect --all-models [--gpus 8 --gpu-gib 80]   # the tensor-parallel plan of every config
 
 The head is built on the meta device from the target's shapes (its config.json when model.path has one, else
@@ -10,7 +10,9 @@ the shapes in conf/model/*.yaml). Memory per GPU, for one micro batch:
   optimizer state        P x (fp32 master if bf16 + 8)    (ZeRO-1/2/3: / GPUs): AdamW's two fp32 moments
   frozen shared          vocab x hidden x (1 tied, 2 untied) x dtype bytes, on every GPU
   activations            tokens x K unroll steps x (tensors autograd keeps per token) x dtype bytes
-  loss chunk             2 x chunk_tokens x vocab x 4: the head's q and the target's p of one chunk (fp32)
+  loss chunk             2 x chunk_tokens x draft vocab x 4: the head's q and the target's p of one chunk (fp32)
+  target distribution    tokens x (draft vocab x dtype bytes + 12): p of every position, computed once per micro
+                         batch and read by every unroll step (mtp_train.losses.target_distribution)
 
 The tensor-parallel plan: per GPU, for the smallest TP degree T (of the GPUs' divisors that split the target's
 heads, features and vocabulary) that fits in the GPU's memory less 10% headroom (CUDA context, NCCL buffers,
@@ -47,7 +49,7 @@ from infer.engine import EngineConfig
 from infer.kv_cache import pages_needed
 from infer.loader import DTYPES, build_on_meta
 from infer.models.common import RMSNorm
-from infer.models.mtp_head import MTPHead
+from infer.models.mtp_head import DraftHead, head_module
 from infer.parallel import ShardingError, TPGroup, divisors, sharding_over
 from infer.speedup import COST_CONTEXT
 from mtp_train.config import compose_training
@@ -59,10 +61,10 @@ HEADROOM = 0.10
 SERVED_ENGINE_PAGES = 8  # the trainer's served engine (mtp_train.trainer), beside validation's own
 
 
-def meta_head(cfg: DictConfig) -> MTPHead:
+def meta_head(cfg: DictConfig) -> DraftHead:
     config = target_config(cfg.model, need_weights=False)
     with torch.device("meta"):
-        return MTPHead(head_config(config, cfg.head, {"name": str(cfg.model.name)}))
+        return head_module(head_config(config, cfg.head, {"name": str(cfg.model.name)}))
 
 
 def parameter_counts(cfg: DictConfig) -> dict[str, int]:
@@ -71,13 +73,16 @@ def parameter_counts(cfg: DictConfig) -> dict[str, int]:
     count = lambda module: sum(p.numel() for p in module.parameters())  # noqa: E731
     tied = bool(getattr(target_config(cfg.model, need_weights=False), "tie_word_embeddings", False))
     shared = config.vocab_size * config.hidden_size * (1 if tied else 2)
+    projection = head.fc if config.architecture == "eagle3" else head.eh_proj
+    own_rows = head.lm_head if getattr(head, "lm_head", None) is not None else nn.Identity()
     return {
-        "trainable": count(head), "decoder_layer": count(head.layer), "projection": count(head.eh_proj),
-        "norms": count(head) - count(head.layer) - count(head.eh_proj), "frozen_shared": shared,
+        "trainable": count(head), "decoder_layer": count(head.layer), "projection": count(projection),
+        "norms": count(head) - count(head.layer) - count(projection) - count(own_rows), "lm_head_rows": count(own_rows),
+        "frozen_shared": shared,
     }
 
 
-def activation_elements_per_token(head: MTPHead, feature_loss: bool) -> int:
+def activation_elements_per_token(head: DraftHead, feature_loss: bool) -> int:
     """Elements autograd keeps per token and unroll step: every Linear's and RMSNorm's input, attention's
     q/k/v, the gated MLP's gate/up output and activation, the fused loss's grad_x, and (when weighted)
     SmoothL1's two inputs. Exact for Llama layers; for MLA an approximation (an input shared by two Linears
@@ -110,6 +115,7 @@ def memory_estimate(cfg: DictConfig, world_size: int, dtype_bytes: int | None = 
     stage, n = t.zero_stage, world_size
     p = counts["trainable"]
     tokens = t.micro_batch_size * t.seq_len
+    draft_vocab = head.config.draft_vocab_size or head.config.vocab_size
     out = {
         "trainable_weights": p * dtype_bytes / (n if stage == 3 else 1),
         "gradients": p * dtype_bytes / (n if stage >= 2 else 1),
@@ -117,7 +123,8 @@ def memory_estimate(cfg: DictConfig, world_size: int, dtype_bytes: int | None = 
         "frozen_shared": counts["frozen_shared"] * dtype_bytes,
         "activations": tokens * cfg.loss.unroll_steps * dtype_bytes
         * activation_elements_per_token(head, cfg.loss.feature != 0),
-        "loss_chunk": 2 * min(cfg.loss.chunk_tokens, tokens) * head.config.vocab_size * 4,
+        "loss_chunk": 2 * min(cfg.loss.chunk_tokens, tokens) * draft_vocab * 4,
+        "target_distribution": tokens * (draft_vocab * dtype_bytes + 12),  # p [T, Vd], argmax and sum p log p
     }
     out["total"] = sum(out.values())
     return out
@@ -145,7 +152,7 @@ class Served:
 
     config: PretrainedConfig
     target: nn.Module
-    head: MTPHead
+    head: DraftHead
     target_params: int  # this rank's (tied embeddings once)
 
     @classmethod
@@ -154,7 +161,7 @@ class Served:
         group = TPGroup(rank=0, size=tp)
         target = build_on_meta(config, group)  # ShardingError when tp does not split it
         with sharding_over(group), torch.device("meta"):
-            head = MTPHead(head_config(config, cfg.head, {"name": str(cfg.model.name)}))
+            head = head_module(head_config(config, cfg.head, {"name": str(cfg.model.name)}))
         tied = getattr(config, "tie_word_embeddings", False)
         params = sum(p.numel() for p in target.parameters()) - (target.lm_head.weight.numel() if tied else 0)
         return cls(config, target, head, params)

@@ -18,7 +18,7 @@ import time
 import torch
 from torch import nn
 
-from infer.models.mtp_head import MTPHead, SharedTargetWeights
+from infer.models.mtp_head import SharedTargetWeights, head_module
 from mtp_train.data import PackedBatch
 from mtp_train.config import compose_training
 from mtp_train.heads import head_config, init_random
@@ -46,7 +46,7 @@ def main(argv: list[str]) -> int:
     else:
         lm_head.weight.normal_(0, 0.02, generator=g)
     target = Target(cfg.model.name, config, SharedTargetWeights(embed, lm_head), torch.ones(hidden))
-    head = MTPHead(head_config(config, cfg.head, {"name": cfg.model.name}))
+    head = head_module(head_config(config, cfg.head, {"name": cfg.model.name}))
     head.init_identity_projection()
     init_random(head.layer, 0.02)
     head.attach(target.shared)

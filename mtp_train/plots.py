@@ -92,16 +92,17 @@ def _new_figure(width: float, height: float) -> Figure:
 
 
 def plot_acceptance(runs: list[dict], path: Path) -> Path:
-    """Acceptance rate at each draft position, one line per temperature."""
+    """Conditional acceptance at each draft position (accepted / reached) with its standard error, one line per
+    temperature."""
     fig = _new_figure(6, 4)
     ax = fig.subplots()
     for run in runs:
-        acceptance = run["acceptance_per_position"]
-        ax.plot(range(1, len(acceptance) + 1), acceptance, marker="o",
-                label=f"T={run['temperature']:g}, tau={run['tau']:.2f}")
-    ax.set(xlabel="draft position", ylabel="accepted (share of verify steps)", ylim=(0, 1.02),
-           title="Acceptance per draft position")
-    ax.set_xticks(range(1, len(runs[0]["acceptance_per_position"]) + 1) if runs else [])
+        acceptance = run["conditional_acceptance"]
+        ax.errorbar(range(1, len(acceptance) + 1), acceptance, yerr=run["conditional_acceptance_se"], marker="o",
+                    capsize=3, label=f"T={run['temperature']:g}, tau={run['tau']:.2f}")
+    ax.set(xlabel="draft position", ylabel="accepted / reached", ylim=(0, 1.02),
+           title="Conditional acceptance per draft position")
+    ax.set_xticks(range(1, len(runs[0]["conditional_acceptance"]) + 1) if runs else [])
     ax.grid(alpha=0.3)
     ax.legend()
     fig.savefig(path, dpi=100)

@@ -31,27 +31,28 @@ def read_run_metrics(run_dir: Path | None) -> RunMetrics:
 
 
 def format_report(report: dict) -> str:
-    """The runs as a table, then the loss and the gap check."""
+    """The runs as a table (conditional acceptance per position +- its standard error), then the trainer's figures on
+    the same text and the gap check."""
     k = report["num_draft_tokens"]
     columns = ["T", "tau", *[f"acc@{j + 1}" for j in range(k)], "speedup", "ideal", "plain tok/s", "spec tok/s"]
-    rows = [[f"{run['temperature']:g}", f"{run['tau']:.3f}", *[f"{a:.3f}" for a in run["acceptance_per_position"]],
+    rows = [[f"{run['temperature']:g}", f"{run['tau']:.3f}",
+             *[f"{a:.3f}+-{e:.3f}" for a, e in zip(run["conditional_acceptance"], run["conditional_acceptance_se"])],
              f"{run['speedup']:.3f}", f"{run['ideal_speedup']:.3f}", f"{run['plain_tok_s']:.1f}",
              f"{run['spec_tok_s']:.1f}"]
             for run in report["runs"]]
     widths = [max(len(c), *(len(r[i]) for r in rows)) for i, c in enumerate(columns)]
     lines = ["  ".join(c.rjust(w) for c, w in zip(columns, widths))]
     lines += ["  ".join(v.rjust(w) for v, w in zip(row, widths)) for row in rows]
-    loss = report["head_loss"]
-    if loss["kl"] is not None:
-        lines.append(f"head vs target (infer forward, {loss['positions']} positions): KL {loss['kl']:.4f}, "
-                     f"top-1 {loss['top1']:.4f}")
+    lines.append("acc@k: accepted at draft position k / steps that reached k (conditional), +- its standard error")
+    replay = report["trainer_replay"]
+    if replay:
+        fmt = lambda values: " ".join(f"{v:.3f}" for v in values)  # noqa: E731
+        lines.append(f"trainer on the greedy text ({replay['positions']} positions): conditional top-1 "
+                     f"{fmt(replay['cond_top1'])}, top-1 {fmt(replay['top1'])}; gap to greedy acc@k "
+                     f"{fmt(report['replay_gap'])}{'  GAP' if report['gap_flag'] else ''}")
     for batch, rec in (report.get("recommended_k") or {}).get("by_batch_size", {}).items():
         lines.append(f"recommended K at batch {batch}: {rec['k']} (predicted speedup "
                      + ", ".join(f"K={k}: {v:.2f}" for k, v in rec["predicted_speedup"].items()) + ")")
-    if report["top1_gap"] is not None:
-        flag = "  GAP" if report["gap_flag"] else ""
-        lines.append(f"trainer top-1 {report['trainer_top1']:.4f} - runtime greedy acc@1 "
-                     f"{report['greedy_acceptance_0']:.4f} = {report['top1_gap']:+.4f}{flag}")
     return "\n".join(lines)
 
 

@@ -25,12 +25,12 @@ from infer.engine import Engine
 from infer.loader import DTYPES, ModelLoadError
 from infer.models.mtp_head import HeadLoadError, save_head, shared_tensors_sha256
 from infer.prompts import PromptFileError, read_prompt_file
-from mtp_train import checkpoint, distributed
+from mtp_train import checkpoint, distributed, draft_vocab
 from mtp_train.data import FeatureError, MicroBatches, eval_batches, open_features, split_records, step_token_counts
 from mtp_train.heads import build_head
 from mtp_train.metrics import Metrics
-from mtp_train.target import TargetError, load_target, target_config
-from mtp_train.unroll import LossWeights, UnrolledHead
+from mtp_train.target import TargetError, load_target
+from mtp_train.unroll import STATS, LossWeights, UnrolledHead, per_step_means
 from mtp_train.validate import validate_head
 
 USER_ERRORS = (ConfigError, TargetError, FeatureError, checkpoint.ResumeError, HeadLoadError,
@@ -67,8 +67,6 @@ class Trainer:
         self.out_dir = Path(cfg.output_dir)
         self.prompts = read_prompt_file(cfg.validate.prompts) if cfg.validate.prompts else None  # mistakes now
 
-        # The features first: damaged shards are refused before any weight is read.
-        dataset = open_features(cfg.features_dir, target_config(cfg.model, need_weights=True).hidden_size)
         # The target's shared tensors: read by name, frozen, once; the head references them.
         self.target = load_target(cfg.model, self.dtype, self.device)
         self.frozen_sha256 = self.frozen_fingerprint()  # compared at the end: the shared tensors never change
@@ -77,7 +75,9 @@ class Trainer:
         self.objective = UnrolledHead(self.head, self.target.norm_weight, self.target.eps, self.num_steps,
                                       LossWeights.from_config(cfg.loss))
 
+        dataset = open_features(cfg.features_dir, self.target.config.hidden_size, self.head.target_aux_layers)
         train_ids, eval_ids = split_records(len(dataset), cfg.eval_records, cfg.seed)
+        self.draft_vocab = self.choose_draft_vocab(dataset, train_ids, eval_ids)
         self.micro_batches = MicroBatches(dataset, train_ids, t.micro_batch_size, t.seq_len, cfg.seed, self.rank,
                                           self.world)
         self.eval_set = eval_batches(dataset, eval_ids, t.micro_batch_size, t.seq_len, self.rank, self.world)
@@ -90,6 +90,24 @@ class Trainer:
                      if t.resume else 0)
         self.served: Engine | None = None  # the target in infer/, for validation (loaded on first use)
         self.serving = self.serving_group() if cfg.validate.enabled else None
+
+    def choose_draft_vocab(self, dataset, train_ids: list[int], eval_ids: list[int]) -> dict:
+        """An EAGLE-3 head's draft vocabulary by head.draft_vocab_rule (mtp_train.draft_vocab), and the probability
+        mass both rules cover at that size, on the training records it is chosen from and on the held-out ones.
+        Every rank computes the same ids from the same records."""
+        h = self.cfg.head
+        size = self.head.config.draft_vocab_size
+        if self.head.config.architecture != "eagle3" or size is None or size == self.head.config.vocab_size:
+            return {}
+        scores = draft_vocab.token_scores(dataset, train_ids, self.target, h.draft_vocab_tokens)
+        held_out = draft_vocab.token_scores(dataset, eval_ids, self.target, h.draft_vocab_tokens)
+        chosen = {rule: draft_vocab.choose(scores, size, rule) for rule in draft_vocab.RULES}
+        self.head.set_draft_vocab(chosen[h.draft_vocab_rule])
+        self.head.share_lm_head_rows()
+        return {"size": size, "rule": h.draft_vocab_rule, "train_positions": scores.positions,
+                "eval_positions": held_out.positions,
+                **{f"mass_{rule}_train": round(draft_vocab.coverage(scores, ids), 5) for rule, ids in chosen.items()},
+                **{f"mass_{rule}_eval": round(draft_vocab.coverage(held_out, ids), 5) for rule, ids in chosen.items()}}
 
     def run_identity(self, manifest: dict) -> dict:
         """What decides the data order and the objective; a resumed run must match it (mtp_train.checkpoint)."""
@@ -115,7 +133,7 @@ class Trainer:
         start = time.perf_counter()
         batches = [self.micro_batches(self.step * accum + a) for a in range(accum)]
         norms = self.normalisers(batches)
-        totals = torch.zeros(self.num_steps, 4, device=self.device)
+        totals = torch.zeros(self.num_steps, len(STATS), device=self.device)
         loss_sum = torch.zeros((), device=self.device)
         self.zero_head.train()
         for batch in batches:
@@ -130,7 +148,7 @@ class Trainer:
         record = {"split": "train", "step": self.step, "loss": reduced[0].item(), "lr": self.zero_head.lr,
                   "grad_norm": self.zero_head.grad_norm, "tokens_per_s": reduced[1].item() / (time.perf_counter() - start),
                   "records": [r for b in batches for r in b.record_ids]}  # this rank's, for the data-order check
-        record.update(per_step_means(reduced[2:].view(self.num_steps, 4), counts))
+        record.update(per_step_means(reduced[2:].view(self.num_steps, len(STATS)), counts))
         return record
 
     @torch.no_grad()
@@ -138,13 +156,13 @@ class Trainer:
         self.zero_head.eval()
         counts = sum((step_token_counts(b, self.num_steps) for b in self.eval_set), torch.zeros(self.num_steps))
         counts = distributed.all_reduce_sum(counts.to(self.device))
-        totals, loss = torch.zeros(self.num_steps, 4, device=self.device), torch.zeros((), device=self.device)
+        totals, loss = torch.zeros(self.num_steps, len(STATS), device=self.device), torch.zeros((), device=self.device)
         for batch in self.eval_set:
             batch_loss, stats = self.zero_head(batch.to(self.device, self.dtype), counts)
             totals, loss = totals + stats, loss + batch_loss.float()
         reduced = distributed.all_reduce_sum(torch.cat((loss[None], totals.flatten())))
         return {"split": "eval", "step": self.step, "loss": reduced[0].item(),
-                **per_step_means(reduced[1:].view(self.num_steps, 4), counts)}
+                **per_step_means(reduced[1:].view(self.num_steps, len(STATS)), counts)}
 
     def serving_group(self) -> parallel.TPGroup:
         """The first validate.tp ranks, which serve the target (each its 1/tp shard, beside its ZeRO share of the
@@ -153,12 +171,13 @@ class Trainer:
         with parallel.sharding_over(parallel.current()):  # the served target shards; training's modules stay whole
             return parallel.init_tp(tp, self.device, replicas=True, option=f"validate.tp={tp}")
 
-    def validate(self, trainer_top1: float | None) -> dict:
+    def validate(self) -> dict:
         """The head as infer/ serves it, on the serving group (rank 0 alone at validate.tp=1): speculative decoding
         on held-out prompts (mtp_train.validate), driven by rank 0 while the group's other ranks serve its steps.
 
-        Training's top-1 agreement and the runtime's acceptance are logged side by side; a gap over 2 points is
-        flagged, since it means training and serving compute different functions (or see different text).
+        Its report puts the trainer's per-step top-1 on the text the runtime produced beside the runtime's
+        conditional acceptance; a gap over 2 points at a position is flagged (training and serving would compute
+        different functions).
         """
         v = self.cfg.validate
         if not v.enabled:
@@ -174,16 +193,17 @@ class Trainer:
                 report = validate_head(
                     self.served, self.head, self.prompts, k=v.num_draft_tokens, temperatures=tuple(v.temperatures),
                     max_new_tokens=v.max_new_tokens, batch_size=v.batch_size, repeats=v.repeats,
-                    trainer_top1=trainer_top1, recommend_for=(),  # the K recommendation is the final validation's
+                    recommend_for=(),  # the K recommendation is the final, standalone validation's
                 )
         if report is None:  # a serving rank > 0: it ran rank 0's steps on its shards
             return {}
-        record = {"split": "validate", "step": self.step, "validate_tp": report["tp"], "gap_flag": report["gap_flag"],
-                  "greedy_acceptance_0": report["greedy_acceptance_0"], "runtime_kl": report["head_loss"]["kl"]}
+        record = {"split": "validate", "step": self.step, "validate_tp": report["tp"], "gap_flag": report["gap_flag"]}
+        replay = report["trainer_replay"] or {}
+        record.update({f"replay_cond_top1_{j}": a for j, a in enumerate(replay.get("cond_top1", []))})
         for run in report["runs"]:
             t = f"T{run['temperature']:g}"
             record.update({f"tau_{t}": run["tau"], f"speedup_{t}": run["speedup"],
-                           **{f"acceptance_{t}_{j}": a for j, a in enumerate(run["acceptance_per_position"])}})
+                           **{f"acceptance_{t}_{j}": a for j, a in enumerate(run["conditional_acceptance"])}})
         return record
 
     def save_checkpoint(self) -> None:
@@ -202,6 +222,8 @@ class Trainer:
     def fit(self) -> dict:
         t = self.cfg.trainer
         metrics = Metrics(self.cfg, self.rank, self.step, t.max_steps, self.out_dir)
+        if self.draft_vocab:
+            metrics.log({"split": "draft_vocab", "step": self.step, **self.draft_vocab})
         if t.eval_every and self.step == 0 and self.eval_set:  # the starting point, to measure what training bought
             metrics.log(self.evaluate())
         while self.step < t.max_steps:
@@ -209,12 +231,12 @@ class Trainer:
             if t.eval_every and self.eval_set and self.step % t.eval_every == 0 and self.step < t.max_steps:
                 record = self.evaluate()
                 metrics.log(record)
-                metrics.log(self.validate(record.get("top1_0")))
+                metrics.log(self.validate())
             if t.save_every and self.step % t.save_every == 0 and self.step < t.max_steps:
                 self.save_checkpoint()
         final_eval = self.evaluate() if self.eval_set else {}
         metrics.log(final_eval)
-        metrics.log(self.validate(final_eval.get("top1_0")))
+        metrics.log(self.validate())
         self.save_checkpoint()
         summary = self.summary(final_eval, self.save_trained_head())
         metrics.close()
@@ -228,7 +250,7 @@ class Trainer:
     def summary(self, final_eval: dict, head_dir: Path) -> dict:
         shared = self.target.shared
         summary = {
-            "steps": self.step, "head_dir": str(head_dir), "final_eval": final_eval,
+            "steps": self.step, "head_dir": str(head_dir), "final_eval": final_eval, "draft_vocab": self.draft_vocab,
             "trainable_params": sum(p.numel() for g in param_groups(self.head, 0.0) for p in g["params"]),
             "frozen_shared_sha256_start": self.frozen_sha256, "frozen_shared_sha256_end": self.frozen_fingerprint(),
             "frozen_requires_grad": any(p.requires_grad for p in (shared.embed_tokens.weight, shared.lm_head.weight)),
@@ -236,13 +258,3 @@ class Trainer:
         if self.rank == 0:
             (self.out_dir / "summary.json").write_text(json.dumps(summary, indent=2) + "\n")
         return summary
-
-
-def per_step_means(sums: torch.Tensor, counts: torch.Tensor) -> dict:
-    """sums [K, 4] of (KL, CE, agreement, SmoothL1) and counts [K] -> {kl_0: ..., top1_0: ...}."""
-    out = {}
-    for k in range(sums.shape[0]):
-        n = max(float(counts[k]), 1.0)
-        kl, ce, agree, feat = (sums[k] / n).tolist()
-        out.update({f"kl_{k}": kl, f"ce_{k}": ce, f"top1_{k}": agree, f"feature_{k}": feat})
-    return out

@@ -4,13 +4,15 @@
         [--max-new-tokens N] [--temperatures 0,1] [--out DIR] [--run-dir RUN_DIR]
     python -m mtp_train.validate model=stories260k output_dir=outputs/stories260k-mtp   # the trainer's config
     python -m mtp_train.validate model.path=DIR head_dir=DIR prompts=FILE.jsonl          # the same, as overrides
-    torchrun --nproc_per_node 8 -m mtp_train.validate --tp 8 --target DIR --head DIR   # a target sharded 8 ways
 
-On held-out prompts, for each temperature (greedy and T=1 by default): acceptance per draft position, tau and the
-accepted-length histogram; speculative against plain decoding timed in the same run, beside the ideal speedup
-(`infer.speedup`). Once, on the prompts plus the plain engine's continuations: the head's KL to the target and
-top-1 agreement, recomputed with infer's forward of the head. A trainer top-1 more than 2 points from the
-runtime's greedy acceptance at position 0 sets `gap_flag`. docs/validation.md says what each figure means.
+On held-out prompts (default: infer.prompts.VALIDATION_PROMPTS, 64 story openings, 128 new tokens each), for each
+temperature (greedy and T=1 by default): the conditional acceptance at each draft position k (drafts accepted at k /
+steps that reached k) with its standard error, the unconditional share (accepted at k / verify steps, labelled so),
+tau (tokens per target forward while speculating) and the accepted-length histogram; speculative against plain
+decoding timed in the same run, beside the ideal speedup (`infer.speedup`). Once, on the plain engine's greedy
+continuations: the trainer's own unroll (mtp_train.unroll: TTT attention, the head fed its own states) gives its
+per-step top-1 and its conditional top-1 on the same text; more than 2 points between that and the runtime's
+greedy conditional acceptance at any position sets `gap_flag`. docs/validation.md says what each figure means.
 
 CLI outputs in --out (default ./validation): report.json and plots (mtp_train.report). Hydra: key=value arguments
 compose conf/config.yaml as the trainer does; the target is model.path, the head head_dir (default
@@ -25,7 +27,6 @@ import time
 from pathlib import Path
 
 import torch
-import torch.nn.functional as F
 from torch import nn
 
 from data_tools.config import ConfigError
@@ -34,124 +35,120 @@ from infer.cli import CliError, run_cli
 from infer.engine import Engine, ForwardCosts
 from infer.kv_cache import pages_needed
 from infer.loader import DTYPES
-from infer.models.mtp_head import MTPHead, attach_to_target, copy_head, load_head
-from infer.prompts import DEFAULT_PROMPTS, read_prompt_file
-from infer.sampling_params import SamplingParams
+from infer.models.common import ModelOutput
+from infer.models.mtp_head import DRAFTER_KINDS, DraftHead, attach_to_target, copy_head, load_head
 from infer.parallel import group_of, init_tp, on_rank0, serve_forever, tp_main
+from infer.prompts import VALIDATION_PROMPTS, read_prompt_file
+from infer.sampling_params import SamplingParams
 from infer.speedup import (
     COST_CONTEXT, Comparison, StepOverhead, compare, costs_engine, ideal_speedup, recommend_k_by_batch,
     timed_generate,
 )
+from mtp_train.data import PackedBatch, step_token_counts
+from mtp_train.unroll import LossWeights, UnrolledHead, per_step_means
 
-GAP_POINTS = 0.02  # trainer top-1 vs runtime greedy acceptance at position 0
+GAP_POINTS = 0.02  # trainer conditional top-1 vs runtime greedy conditional acceptance, per position
 
 
-def serving_head(head: str | Path | MTPHead, model: nn.Module) -> MTPHead:
+def serving_head(head: str | Path | DraftHead, model: nn.Module) -> DraftHead:
     """The head as the runtime serves it: loaded from its folder, or a copy of an in-memory head (the trainer's
     module is left as it is) attached to the target."""
-    if isinstance(head, MTPHead):
+    if isinstance(head, DraftHead):
         return attach_to_target(copy_head(head), model, where="the in-memory head")
     return load_head(head, model)
 
 
-# --- the head's loss, recomputed with infer's forward ------------------------------------------------------------
-@torch.inference_mode()
-def aligned_logits(model: nn.Module, head: MTPHead, token_ids: list[int]) -> tuple[torch.Tensor, torch.Tensor]:
-    """(head logits [n-1, V] at positions 0..n-2, the target's logits [n-1, V] at positions 1..n-1): row i of both
-    is a distribution over t_{i+2}. One sequence, no KV cache (PackedCausalAttention)."""
+# --- the trainer's figures on the runtime's text -----------------------------------------------------------------
+@torch.no_grad()
+def target_features(model: nn.Module, token_ids: list[list[int]], aux_layers: tuple[int, ...]) -> ModelOutput:
+    """The target over packed sequences with no KV cache: hidden states (and aux layers) at every position."""
     device = next(model.parameters()).device
-    ids = torch.tensor(token_ids, dtype=torch.long, device=device)
-    positions = torch.arange(len(token_ids), device=device)
-    target_out = model(ids, positions, PackedCausalAttention([len(token_ids)]), [None] * len(model.model.layers))
-    head_out = head(ids[1:], positions[:-1], PackedCausalAttention([len(token_ids) - 1]), [None],
-                    hidden_states=head.target_input(target_out.hidden_states[:-1]))
-    return head_out.logits, target_out.logits[1:]
+    lens = [len(ids) for ids in token_ids]
+    ids = torch.tensor([t for seq in token_ids for t in seq], dtype=torch.long, device=device)
+    positions = torch.cat([torch.arange(n, device=device) for n in lens])
+    caches = [(None, None) if model.config.model_type == "deepseek_v2" else None] * len(model.model.layers)
+    return model(ids, positions, PackedCausalAttention(lens), caches, aux_layers=aux_layers)
 
 
-def head_loss(model: nn.Module, head: MTPHead, sequences: list[list[int]]) -> dict:
-    """Mean forward KL(target || head) and top-1 agreement over every head position of `sequences`."""
-    if getattr(model.config, "model_type", None) != "llama" or head.mla:
-        # the cache-free forward above passes Llama's [None] caches; MLA layers and DeepSeek targets take pairs
-        return {"kl": None, "top1": None, "positions": 0, "note": "measured for Llama targets and heads"}
-    kl_sum, agree, positions = 0.0, 0, 0
-    for token_ids in sequences:
-        if len(token_ids) < 2:
-            continue
-        head_logits, target_logits = aligned_logits(model, head, token_ids)
-        log_p, log_q = F.log_softmax(target_logits.float(), -1), F.log_softmax(head_logits.float(), -1)
-        kl_sum += float((log_p.exp() * (log_p - log_q)).sum())
-        agree += int((head_logits.argmax(-1) == target_logits.argmax(-1)).sum())
-        positions += head_logits.shape[0]
-    n = max(positions, 1)
-    return {"kl": kl_sum / n, "top1": agree / n, "positions": positions}
+@torch.no_grad()
+def trainer_replay(model: nn.Module, head: DraftHead, sequences: list[list[int]], prompt_lens: list[int],
+                   k: int) -> dict:
+    """The trainer's per-step figures (mtp_train.trainer.per_step_means) on `sequences`, counting the positions
+    whose fed token is generated (index >= its prompt's length): what training reports, on the runtime's text."""
+    out = target_features(model, sequences, head.target_aux_layers)
+    aux = (torch.stack([out.aux_hidden_states[i] for i in head.target_aux_layers], dim=1)
+           if head.target_aux_layers else None)
+    mask = torch.cat([torch.arange(len(seq)) >= n for seq, n in zip(sequences, prompt_lens)]).to(out.hidden_states.device)
+    batch = PackedBatch(torch.tensor([t for seq in sequences for t in seq], device=mask.device), out.hidden_states,
+                        mask, [len(seq) for seq in sequences], list(range(len(sequences))), aux)
+    counts = step_token_counts(batch, k)
+    objective = UnrolledHead(head, model.model.norm.weight, float(model.config.rms_norm_eps), k, LossWeights())
+    _, stats = objective(batch, counts.to(mask.device))
+    means = per_step_means(stats.cpu(), counts)
+    return {"top1": [round(means[f"top1_{j}"], 4) for j in range(k)],
+            "cond_top1": [round(means[f"cond_top1_{j}"], 4) for j in range(k)],
+            "kl": [round(means[f"kl_{j}"], 4) for j in range(k)], "positions": int(counts[0]),
+            "on": "the plain engine's greedy continuations of the prompts"}
 
 
-def merge_losses(losses: list[dict]) -> dict:
-    """Position-weighted mean of per-temperature losses."""
-    counted = [loss for loss in losses if loss["kl"] is not None and loss["positions"]]
-    positions = sum(loss["positions"] for loss in counted)
-    if not positions:
-        return {"kl": None, "top1": None, "positions": 0}
-    return {"kl": sum(loss["kl"] * loss["positions"] for loss in counted) / positions,
-            "top1": sum(loss["top1"] * loss["positions"] for loss in counted) / positions, "positions": positions}
-
-
-def top1_gap(trainer_top1: float | None, greedy_acceptance_0: float | None,
-             threshold: float = GAP_POINTS) -> tuple[float | None, bool]:
-    """(trainer top-1 minus runtime greedy acceptance at position 0, whether it is more than `threshold` apart)."""
-    if trainer_top1 is None or greedy_acceptance_0 is None:
-        return None, False
-    gap = trainer_top1 - greedy_acceptance_0
-    return gap, round(abs(gap), 9) > threshold  # rounding: 0.52 - 0.50 is exactly 2 points, not over
+def replay_gap(replay: dict, greedy_run: dict | None, threshold: float = GAP_POINTS) -> tuple[list[float], bool]:
+    """(trainer conditional top-1 minus the runtime's greedy conditional acceptance per position, whether any is
+    more than `threshold` apart)."""
+    if greedy_run is None:
+        return [], False
+    gaps = [round(t - r, 4) for t, r in zip(replay["cond_top1"], greedy_run["conditional_acceptance"])]
+    return gaps, any(round(abs(g), 9) > threshold for g in gaps)  # rounding: exactly 2 points is not over
 
 
 # --- speculative decoding, measured ----------------------------------------------------------------------------
 def validate_head(
     target: str | Path | Engine,
-    head: str | Path | MTPHead,
+    head: str | Path | DraftHead,
     prompts: list[str] | list[list[int]] | None = None,
     k: int = 4,
     temperatures: tuple[float, ...] = (0.0, 1.0),
-    max_new_tokens: int = 64,
-    batch_size: int = 8,
+    max_new_tokens: int = 128,
+    batch_size: int = 16,
     seed: int = 0,
     repeats: int = 2,
-    trainer_top1: float | None = None,
     dtype: torch.dtype = torch.float32,
     device: str | torch.device = "cpu",
     recommend_for: tuple[int, ...] = (1, 8, 32),
 ) -> dict | None:
-    """Speculative decoding with `head` on `prompts` through infer's Engine, plus the head's loss (module doc).
+    """Speculative decoding with `head` on `prompts` through infer's Engine, and the trainer's figures on the text
+    it produced (module doc).
 
     Under tensor parallelism (a target sharded over a group) every rank of the group calls this with the same
     arguments and builds the same engines; rank 0 measures and returns the report, the others return None.
 
     target: a model folder (loaded in dtype on device) or an Engine (its model, tokenizer, stop ids and settings).
-    prompts: text (the target needs a tokenizer) or token ids; None: infer.prompts.DEFAULT_PROMPTS.
-    trainer_top1 is a fraction in [0, 1]. recommend_for: batch sizes to recommend a K for (infer.speedup), from
-    the greedy run's conditional acceptance (or the first run's); () skips it.
+    prompts: text (the target needs a tokenizer) or token ids; None: infer.prompts.VALIDATION_PROMPTS.
+    recommend_for: batch sizes to recommend a K for (infer.speedup), from the greedy run's conditional acceptance
+    (or the first run's); () skips it.
     """
     start = time.perf_counter()
-    check_arguments(k, max_new_tokens, batch_size, repeats, trainer_top1)
+    check_arguments(k, max_new_tokens, batch_size, repeats)
     served = target if isinstance(target, Engine) else Engine.from_pretrained(target, dtype=dtype, device=str(device))
     model = served.model
     drafter = serving_head(head, model)
-    prompt_ids = tokenize_prompts(served, prompts if prompts is not None else DEFAULT_PROMPTS)
+    prompt_ids = tokenize_prompts(served, prompts if prompts is not None else VALIDATION_PROMPTS)
 
-    # Both engines get just the pages this batch needs (a default engine sizes for 64 full contexts).
+    # Both engines get just the pages this batch needs (a default engine sizes for 64 full contexts). Every engine
+    # is built here, before the measurement: under tensor parallelism every rank builds them in the same order.
     longest = max(max(map(len, prompt_ids)) + max_new_tokens, COST_CONTEXT) + k + 2
     sizes = dict(num_pages=batch_size * pages_needed(longest, served.config.page_size) + 1, max_num_seqs=batch_size,
                  num_draft_tokens=k)
+    kind = DRAFTER_KINDS[drafter.config.architecture]
     plain, spec = served.with_config(**sizes), served.with_config(**sizes)
-    spec.attach_drafter("mtp", drafter)
+    spec.attach_drafter(kind, drafter)
     for_costs = costs_engine(spec, recommend_for) if recommend_for else None
     spec_k1 = None  # the step overhead is fitted through K and 1
     if recommend_for and k > 1:
         spec_k1 = served.with_config(**{**sizes, "num_draft_tokens": 1})
-        spec_k1.attach_drafter("mtp", drafter)
+        spec_k1.attach_drafter(kind, drafter)
     tp = group_of(model)
 
-    def measure() -> tuple[list[dict], dict[float, list[list[int]]], dict, ForwardCosts]:
+    def measure() -> tuple[list[dict], list[list[int]] | None, dict, ForwardCosts]:
         """The timed runs (rank 0 alone under tensor parallelism: the other ranks serve its steps)."""
         warm_up = [SamplingParams(max_new_tokens=min(max_new_tokens, k + 4), ignore_eos=True)] * len(prompt_ids)
         timed_generate(plain, prompt_ids, warm_up)  # the batch's prefill shapes, and a few speculative steps
@@ -169,54 +166,51 @@ def validate_head(
         if for_costs is not None and basis:
             overhead = step_overhead(plain, spec_k1, prompt_ids, basis, comparisons[basis["temperature"]], costs)
             recommended = recommend_k_by_batch(for_costs, basis["conditional_acceptance"], recommend_for, overhead)
-        sequences = {t: [r.token_ids for r in result.plain.requests] for t, result in comparisons.items()}
-        return runs, sequences, recommended, costs
+        greedy = comparisons.get(0.0)
+        return runs, [r.token_ids for r in greedy.plain.requests] if greedy else None, recommended, costs
 
     measured = on_rank0(measure, tp)
-    # The loss forwards are collective under tensor parallelism: every rank runs them on rank 0's sequences.
-    sequences_by_temperature = tp.broadcast_object(measured[1] if measured else None)
-    by_temperature = {f"{t:g}": head_loss(model, drafter, seqs) for t, seqs in sequences_by_temperature.items()}
+    # The trainer's replay runs the target and the head directly: under tensor parallelism every rank runs it on
+    # rank 0's greedy sequences.
+    greedy_sequences = tp.broadcast_object(measured[1] if measured else None)
+    replay = (trainer_replay(model, drafter, greedy_sequences, [len(p) for p in prompt_ids], k)
+              if greedy_sequences is not None else None)
     if measured is None:  # a rank > 0: rank 0 reports
         return None
     runs, _, recommended, costs = measured
     greedy = greedy_run(runs)
     basis = greedy or runs[0] if runs else None
-    greedy_acceptance_0 = greedy["acceptance_per_position"][0] if greedy else None
-    gap, flag = top1_gap(trainer_top1, greedy_acceptance_0)
+    gaps, flag = replay_gap(replay, greedy) if replay else ([], False)
     if flag:
-        print(f"warning: trainer top-1 {trainer_top1:.4f} vs runtime greedy acceptance at position 0 "
-              f"{greedy_acceptance_0:.4f}: {abs(gap) * 100:.1f} points apart (> {GAP_POINTS * 100:g}); training and "
-              "serving may compute different functions", file=sys.stderr)
+        print(f"warning: the trainer's conditional top-1 {replay['cond_top1']} and the runtime's greedy conditional "
+              f"acceptance {greedy['conditional_acceptance']} differ by more than {GAP_POINTS * 100:g} points at a "
+              "position on the same text: training and serving compute different functions", file=sys.stderr)
     param = next(model.parameters())
     return {
         "target": getattr(model.config, "_name_or_path", "") or "engine",
-        "head": str(head) if not isinstance(head, MTPHead) else f"in-memory {head.config.architecture} head",
+        "head": str(head) if not isinstance(head, DraftHead) else f"in-memory {head.config.architecture} head",
+        "architecture": drafter.config.architecture,
         "num_draft_tokens": k, "max_new_tokens": max_new_tokens, "batch_size": batch_size,
-        "num_prompts": len(prompt_ids), "seed": seed, "repeats": repeats,
-        "device": str(param.device), "dtype": str(param.dtype).removeprefix("torch."),
+        "num_prompts": len(prompt_ids), "distinct_prompts": len({tuple(p) for p in prompt_ids}), "seed": seed,
+        "repeats": repeats, "device": str(param.device), "dtype": str(param.dtype).removeprefix("torch."),
         "threads": torch.get_num_threads(), "tp": tp.size,
         "runs": runs,
-        "head_loss": {**merge_losses(list(by_temperature.values())), "by_temperature": by_temperature,
-                      "on": "prompts + the plain engine's continuations at each temperature"},
+        "trainer_replay": replay, "replay_gap": gaps, "gap_flag": flag,
         "forward_ms": {"decode": round(costs.decode * 1e3, 3), "draft": round(costs.draft * 1e3, 3),
                        "verify": round(costs.verify * 1e3, 3)},
         "recommended_k": {"by_batch_size": recommended,
                           "from": (f"T={basis['temperature']:g} conditional acceptance; step overhead measured at "
                                    f"batch {min(batch_size, len(prompt_ids))}") if recommended else None},
-        "trainer_top1": trainer_top1, "greedy_acceptance_0": greedy_acceptance_0,
-        "top1_gap": None if gap is None else round(gap, 4), "gap_flag": flag,
         "elapsed_s": round(time.perf_counter() - start, 3),
     }
 
 
-def check_arguments(k: int, max_new_tokens: int, batch_size: int, repeats: int, trainer_top1: float | None) -> None:
+def check_arguments(k: int, max_new_tokens: int, batch_size: int, repeats: int) -> None:
     if not 1 <= k <= 16:
         raise ValueError(f"k (draft tokens per step) must be in 1..16, got {k}")
     if max_new_tokens < 1 or batch_size < 1 or repeats < 1:
         raise ValueError(f"max_new_tokens, batch_size and repeats must be >= 1, got {max_new_tokens}, {batch_size}, "
                          f"{repeats}")
-    if trainer_top1 is not None and not 0.0 <= trainer_top1 <= 1.0:
-        raise ValueError(f"trainer_top1 is a fraction in [0, 1], got {trainer_top1}")
 
 
 def sampling_params(temperature: float, max_new_tokens: int, seed: int, count: int) -> list[SamplingParams]:
@@ -226,18 +220,23 @@ def sampling_params(temperature: float, max_new_tokens: int, seed: int, count: i
 
 
 def run_record(temperature: float, max_new_tokens: int, result: Comparison) -> dict:
-    """One temperature's line of the report: acceptance, tau and the timed speedup."""
+    """One temperature's line of the report: conditional acceptance (and the unconditional share, labelled so),
+    tau and the timed speedup."""
     stats = result.stats
     return {
         "temperature": float(temperature), "max_new_tokens": max_new_tokens, "tau": stats["tau"],
-        "acceptance_per_position": stats["acceptance_per_position"],
         "conditional_acceptance": stats["conditional_acceptance"],
-        "conditional_acceptance_se": stats["conditional_acceptance_se"],
+        "conditional_acceptance_se": stats["conditional_acceptance_se"], "reached": stats["reached"],
+        "unconditional_acceptance": stats["acceptance_per_position"],
         "accepted_length_histogram": stats["accepted_length_histogram"], "verify_steps": stats["verify_steps"],
         "plain_tok_s": round(result.plain.tok_s, 1), "spec_tok_s": round(result.spec.tok_s, 1),
         "speedup": round(result.speedup, 3),
         "draft_time_s": stats["draft_time_s"], "verify_time_s": stats["verify_time_s"],
     }
+
+
+def greedy_run(runs: list[dict]) -> dict | None:
+    return next((run for run in runs if run["temperature"] == 0.0), None)
 
 
 def step_overhead(plain: Engine, spec_k1: Engine | None, prompt_ids: list[list[int]], basis: dict,
@@ -253,10 +252,6 @@ def step_overhead(plain: Engine, spec_k1: Engine | None, prompt_ids: list[list[i
         all_costs[1] = spec_k1.forward_costs(batch, COST_CONTEXT)
     return StepOverhead.fitted({n: (c.plain.tok_s, c.spec.tok_s, c.stats["tau"]) for n, c in measured.items()},
                                all_costs, batch)
-
-
-def greedy_run(runs: list[dict]) -> dict | None:
-    return next((run for run in runs if run["temperature"] == 0.0), None)
 
 
 def tokenize_prompts(served: Engine, prompts: list[str] | list[list[int]]) -> list[list[int]]:
@@ -283,16 +278,14 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--target", type=Path, help="the target's Hugging Face folder (default: model.path)")
     parser.add_argument("--head", type=Path, help="the head folder (default: head_dir, else ${output_dir}/head)")
     parser.add_argument("--prompts", type=Path, help="JSONL prompts: 'prompt', 'text' or 'turns' (MT-bench, "
-                                                     "Spec-Bench); default: built-in story openings")
+                                                     "Spec-Bench); default: 64 held-out story openings")
     parser.add_argument("--num-draft-tokens", type=int, default=4, help="K, drafts per step (default 4)")
-    parser.add_argument("--max-new-tokens", type=int, default=64, help="tokens per prompt (default 64)")
+    parser.add_argument("--max-new-tokens", type=int, default=128, help="tokens per prompt (default 128)")
     parser.add_argument("--temperatures", default="0,1", help="comma-separated temperatures (default 0,1)")
-    parser.add_argument("--batch-size", type=int, default=8, help="requests decoded together (default 8)")
-    parser.add_argument("--repeats", type=int, default=3,
-                        help="timed runs per measurement, the fastest counts (default 3)")
+    parser.add_argument("--batch-size", type=int, default=16, help="requests decoded together (default 16)")
+    parser.add_argument("--repeats", type=int, default=2,
+                        help="timed runs per measurement, the fastest counts (default 2)")
     parser.add_argument("--seed", type=int, default=0, help="prompt i samples with seed SEED + i (default 0)")
-    parser.add_argument("--trainer-top1", type=float, help="the trainer's top-1 agreement in [0, 1] (default: the "
-                                                           "latest eval top1_0 in RUN_DIR/metrics.jsonl)")
     parser.add_argument("--out", type=Path, help="folder for report.json and the plots (default ./validation)")
     parser.add_argument("--run-dir", type=Path, help="training run folder: plots RUN_DIR/metrics.jsonl")
     parser.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu", help="cpu or cuda")
@@ -346,26 +339,20 @@ def main(argv: list[str] | None = None) -> int:
     if run_dir is not None and args.run_dir is not None and not run_dir.is_dir():
         raise CliError(f"--run-dir {run_dir} does not exist")
     metrics = read_run_metrics(run_dir)
-    trainer_top1, top1_source = args.trainer_top1, "--trainer-top1"
-    if trainer_top1 is None and metrics.last_eval_top1 is not None:
-        trainer_top1, top1_source = metrics.last_eval_top1, str(metrics.file)
 
     if args.threads is not None:
         if args.threads < 1:
             raise CliError(f"--threads must be >= 1, got {args.threads}")
         torch.set_num_threads(args.threads)
-    prompts = read_prompt_file(prompts_file) if prompts_file else DEFAULT_PROMPTS
+    prompts = read_prompt_file(prompts_file) if prompts_file else VALIDATION_PROMPTS
     init_tp(args.tp, args.device)  # each rank loads its shard of the target and of the head
     report = validate_head(target, head, prompts, k=args.num_draft_tokens, temperatures=temperatures,
                            max_new_tokens=args.max_new_tokens, batch_size=args.batch_size, seed=args.seed,
-                           repeats=args.repeats, trainer_top1=trainer_top1, dtype=DTYPES[args.dtype],
-                           device=args.device)
+                           repeats=args.repeats, dtype=DTYPES[args.dtype], device=args.device)
     if report is None:  # a rank > 0 (it ran rank 0's steps on its shards): wait until rank 0 has reported
         serve_forever()
         return 0
-    report["prompts"] = str(prompts_file) if prompts_file else "built-in story openings"
-    if trainer_top1 is not None:
-        report["trainer_top1_source"] = top1_source
+    report["prompts"] = str(prompts_file) if prompts_file else "64 held-out story openings (VALIDATION_PROMPTS)"
     print(format_report(report))
     write_outputs(report, args.out or Path("validation"), metrics)
     return 0

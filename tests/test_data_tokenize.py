@@ -1,4 +1,6 @@
-"""Loss masks on assistant tokens only, checked by decoding the masked spans; truncation; packing."""
+"""Loss masks on assistant tokens only, checked by decoding the masked spans; truncation; packing; special tokens of
+templates as their ids for the tokenizer the converter writes (split_special_tokens=True) and the reference one, up
+to the records the precompute stores."""
 
 from __future__ import annotations
 
@@ -6,9 +8,16 @@ import itertools
 from pathlib import Path
 
 import pytest
+from transformers import AutoTokenizer
 
+from data_tools import precompute
+from data_tools.config import compose
 from data_tools.conversations import Conversation, DataError, LoadReport, load_conversations
+from data_tools.convert_llama2c import convert_llama2c
+from data_tools.features import FeatureDataset
 from data_tools.tokenize import ChatFormat, pack_by_budget
+
+BOS, EOS = 1, 2
 
 # A Vicuna-style template written with ordinary text markers, so the stories260K tokenizer can render it.
 VICUNA_TEMPLATE = (
@@ -97,3 +106,53 @@ def test_pack_by_budget() -> None:
     assert batches == [[0, 1], [2], [3, 4], [5], [6]]
     assert all(sum(lengths[i] for i in b) <= 10 or len(b) == 1 for b in batches)
     assert pack_by_budget([1] * 7, max_tokens=100, max_records=3) == [[0, 1, 2], [3, 4, 5], [6]]
+
+
+@pytest.fixture(scope="module")
+def converted_dir(assets_dir: Path, tmp_path_factory) -> Path:
+    """stories260K as the pipeline converts it: its tokenizer sets split_special_tokens=True (llama2.c keeps a
+    user's literal "<s>" as text)."""
+    llama2c = assets_dir / "stories260K" / "llama2c"
+    return convert_llama2c(llama2c / "stories260K.bin", llama2c / "tok512.bin", tmp_path_factory.mktemp("conv") / "m")
+
+
+@pytest.fixture(scope="module", params=["converted", "reference"])
+def any_tokenizer(request, converted_dir: Path, stories_tokenizer):
+    return AutoTokenizer.from_pretrained(converted_dir) if request.param == "converted" else stories_tokenizer
+
+
+def test_template_special_tokens_are_their_ids_for_every_tokenizer(any_tokenizer) -> None:
+    story = Conversation("t[0]", "text", text="Once upon a time, there was a cat.")
+    record, _ = ChatFormat(any_tokenizer, "plain", "<s>", max_length=512).tokenize(story)
+    assert record.input_ids[0] == BOS and record.input_ids[-1] == BOS and record.input_ids.count(BOS) == 2
+    assert any_tokenizer.decode(record.input_ids[1:-1]).strip() == "Once upon a time, there was a cat."
+    chat = Conversation("c[0]", "chat", [{"role": "user", "content": "Say yes."},
+                                        {"role": "assistant", "content": "yes."}])
+    fmt = ChatFormat(any_tokenizer, VICUNA_TEMPLATE, max_length=512)
+    record, _ = fmt.tokenize(chat)
+    assert record.input_ids[0] == BOS and record.input_ids[-1] == EOS and record.loss_mask[-1] == 1
+    assert fmt.prompt_ids(chat.messages[:1])[0] == BOS
+
+
+def test_the_converted_tokenizer_alone_would_split_them(converted_dir: Path) -> None:
+    """The control: the tokenizer's own call on a rendered record, what the records held before, has no BOS id."""
+    tokenizer = AutoTokenizer.from_pretrained(converted_dir)
+    ids = tokenizer("<s>Once upon a time<s>", add_special_tokens=False)["input_ids"]
+    assert BOS not in ids and tokenizer.decode(ids).startswith("<s>")
+
+
+def test_precomputed_stories_start_and_end_with_bos(converted_dir: Path, tmp_path: Path) -> None:
+    """A precomputed record, read back and decoded: BOS (id 1) first, the story, BOS (the story's end) last."""
+    stories = tmp_path / "stories.jsonl"
+    texts = ["Tom had a red ball.", "Lily saw a big dog. She was happy."]
+    stories.write_text("".join(f'{{"text": "{t}"}}\n' for t in texts))
+    cfg = compose("precompute", [f"model.path={converted_dir}", f"output_dir={tmp_path / 'features'}",
+                                 "data=stories260k", f"data.paths=[{stories}]", "precompute.dtype=float32",
+                                 "precompute.progress=false"])
+    precompute.run(cfg)
+    dataset = FeatureDataset(tmp_path / "features")
+    tokenizer = AutoTokenizer.from_pretrained(converted_dir)
+    for i, text in enumerate(texts):
+        ids = dataset[i]["input_ids"].tolist()
+        assert ids[0] == BOS and ids[-1] == BOS and BOS not in ids[1:-1], ids
+        assert tokenizer.decode(ids, skip_special_tokens=True).strip() == text

@@ -144,7 +144,7 @@ def test_deepseek_moe_head_reloads_from_nextn_to_the_same_tensors_and_logits(dsv
     ids = torch.randint(0, 512, (12,), generator=torch.Generator().manual_seed(2))
     hidden = dsv2_model(ids, torch.arange(12), PackedCausalAttention([12]), [(None, None)] * 2).hidden_states
     logits = [h(ids[1:], torch.arange(11), PackedCausalAttention([11]), [(None, None)],
-                hidden_states=h.target_input(hidden[:-1])).logits for h in (head, reloaded)]
+                hidden_states=h.features(hidden[:-1])).logits for h in (head, reloaded)]
     torch.testing.assert_close(logits[0], logits[1], rtol=0, atol=0)
 
 
@@ -317,6 +317,14 @@ def test_heads_the_engines_would_serve_differently_are_refused_with_the_reason(h
         export_head(source, fmt, tmp_path / "out")
     assert "\n" not in str(err.value) and all(reason in str(err.value) for reason in reasons), str(err.value)
     assert not (tmp_path / "out").exists()
+
+
+def test_an_eagle3_head_exports_to_the_runtime_format_only(tmp_path, stories_model):
+    eagle3 = init_head_from_target(stories_model, "stories260K", "eagle3")
+    for fmt in ("sglang-nextn", "eagle"):
+        with pytest.raises(ExportError, match="EAGLE-3 head exports to the runtime format only"):
+            export_head(eagle3, fmt, tmp_path / fmt)
+    assert load_export(export_head(eagle3, "runtime", tmp_path / "r"), stories_model).config == eagle3.config
 
 
 @pytest.mark.parametrize("missing", ["k_proj", "v_proj"])  # a hole in the rows, and rows short at the end

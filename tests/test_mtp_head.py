@@ -1,4 +1,5 @@
-"""The MTP head folder format and how a head binds to its target: round trip, contents, refusals, shared tensors."""
+"""The head folder format and how a head binds to its target: round trip, contents, refusals, shared tensors; for
+MTP, EAGLE-1 and EAGLE-3 heads (the latter with a 256-token draft vocabulary and its own lm_head rows)."""
 
 from __future__ import annotations
 
@@ -14,8 +15,11 @@ from transformers import LlamaConfig
 
 from infer.engine import Engine, EngineConfig
 from infer.models.llama import LlamaForCausalLM
-from infer.models.mtp_head import HeadLoadError, MTPHead, init_head_from_target, load_head, save_head
+from infer.models.mtp_head import (
+    DRAFTER_KINDS, HeadLoadError, MTPHead, init_head_from_target, load_head, save_head,
+)
 from infer.sampling_params import SamplingParams
+from tests.test_eagle3 import eagle3_head
 from tests.test_speculative import packed_prefill
 
 pytestmark = pytest.mark.usefixtures("one_torch_thread")
@@ -41,9 +45,12 @@ def tiny_llama(vocab_size: int = 512, hidden_size: int = 64, seed: int = 0) -> L
     return LlamaForCausalLM(config).eval().requires_grad_(False)
 
 
-@pytest.fixture(scope="module", params=["mtp", "eagle1"])
+@pytest.fixture(scope="module", params=["mtp", "eagle1", "eagle3"])
 def saved_head(request, stories_model, tmp_path_factory) -> tuple[MTPHead, Path]:
-    head = trained_like(init_head_from_target(stories_model, "stories260K", architecture=request.param), seed=1)
+    if request.param == "eagle3":
+        head = trained_like(eagle3_head(stories_model, draft_vocab=256, trainable_lm_head=True), seed=1)
+    else:
+        head = trained_like(init_head_from_target(stories_model, "stories260K", architecture=request.param), seed=1)
     return head, save_head(head, tmp_path_factory.mktemp(request.param) / "head")
 
 
@@ -67,7 +74,7 @@ def test_round_trip_gives_identical_drafts_through_the_engine(saved_head, storie
     for drafter in (head, loaded):
         engine = Engine(stories_model, stories_tokenizer, [2], EngineConfig(num_draft_tokens=3, backend="torch",
                                                                             page_size=16, num_pages=64))
-        engine.attach_drafter("mtp", drafter)
+        engine.attach_drafter(DRAFTER_KINDS[head.config.architecture], drafter)
         engines.append(engine)
     params = SamplingParams(max_new_tokens=16, stop_token_ids=(1,))
     requests = [[engine.add_request(p, params) for p in PROMPTS] for engine in engines]
@@ -101,18 +108,28 @@ def test_folder_holds_config_and_weights_without_the_targets_tensors(saved_head,
     with safe_open(str(path / "model.safetensors"), framework="pt") as f:
         keys = set(f.keys())
         shapes = {key: tuple(f.get_slice(key).get_shape()) for key in keys}
-    assert not [k for k in keys if "embed" in k or "lm_head" in k]
     vocab, hidden = stories_model.config.vocab_size, stories_model.config.hidden_size
-    assert not [k for k, shape in shapes.items() if vocab in shape], "a vocabulary-sized tensor was saved"
+    eagle3 = head.config.architecture == "eagle3"
+    # no target tensor: nothing named after them, no vocabulary-sized tensor but EAGLE-3's vocabulary map (t2d)
+    assert not [k for k in keys if "embed" in k or ("lm_head" in k and not eagle3)]
+    assert not [k for k, shape in shapes.items() if vocab in shape and k != "t2d"], "a vocabulary-sized tensor was saved"
     assert keys == set(head.state_dict())
-    expected = {"eh_proj.weight", "layer.self_attn.qkv_proj.weight", "layer.self_attn.o_proj.weight",
+    expected = {"layer.self_attn.qkv_proj.weight", "layer.self_attn.o_proj.weight",
                 "layer.mlp.gate_up_proj.weight", "layer.mlp.down_proj.weight", "layer.post_attention_layernorm.weight"}
     if head.config.architecture == "mtp":
-        expected |= {"enorm.weight", "hnorm.weight", "final_norm.weight", "layer.input_layernorm.weight"}
+        expected |= {"eh_proj.weight", "enorm.weight", "hnorm.weight", "final_norm.weight",
+                     "layer.input_layernorm.weight"}
+    elif eagle3:  # the fusion, both input norms, the draft vocabulary's rows and maps
+        expected |= {"fc.weight", "layer.input_layernorm.weight", "layer.hidden_norm.weight", "final_norm.weight",
+                     "lm_head.weight", "d2t", "t2d"}
     else:  # eagle1: no norms (not even the layer's input norm, as EAGLE-1's first layer), a biased projection
-        expected |= {"eh_proj.bias"}
+        expected |= {"eh_proj.weight", "eh_proj.bias"}
     assert keys == expected
-    assert shapes["eh_proj.weight"] == (hidden, 2 * hidden)
+    if eagle3:
+        assert shapes["fc.weight"] == (hidden, 3 * hidden) and shapes["lm_head.weight"] == (256, hidden)
+        assert shapes["layer.self_attn.qkv_proj.weight"][1] == 2 * hidden and shapes["d2t"] == (256,)
+    else:
+        assert shapes["eh_proj.weight"] == (hidden, 2 * hidden)
     config = json.loads((path / "config.json").read_text())
     assert config["target"]["name"] == "stories260K" and config["architecture"] == head.config.architecture
     assert (config["vocab_size"], config["hidden_size"]) == (vocab, hidden)
@@ -125,7 +142,7 @@ def test_saving_over_an_existing_head_replaces_it(saved_head, stories_model, tmp
 
     assert sorted(p.name for p in tmp_path.iterdir()) == ["head"]
     loaded = load_head(path, stories_model)
-    assert torch.equal(loaded.eh_proj.weight, head.eh_proj.weight)
+    assert torch.equal(loaded.layer.self_attn.o_proj.weight, head.layer.self_attn.o_proj.weight)
 
 
 def test_head_uses_the_targets_tensors_in_place(saved_head, stories_model):
@@ -137,7 +154,8 @@ def test_head_uses_the_targets_tensors_in_place(saved_head, stories_model):
         assert h.shared.lm_head.weight.data_ptr() == lm_head.data_ptr()
         # Referenced, not registered: no copy in the head's parameters, state dict, or `.to()` conversions.
         assert all(p.data_ptr() not in (embed.data_ptr(), lm_head.data_ptr()) for p in h.parameters())
-        assert not [k for k in h.state_dict() if "embed" in k or "lm_head" in k]
+        own_rows = h.config.trainable_lm_head  # an EAGLE-3 head's own draft rows, not the target's tensor
+        assert not [k for k in h.state_dict() if "embed" in k or ("lm_head" in k and not own_rows)]
 
 
 def test_head_against_another_target_is_refused_naming_the_config(saved_head, stories_model):
@@ -193,7 +211,7 @@ def test_bad_weights_are_refused_naming_them(head_copy, stories_model, damage):
     weights_file = head_copy / "model.safetensors"
     state = load_file(str(weights_file))
     if damage == "tensor missing":
-        del state["eh_proj.weight"]
+        del state["layer.self_attn.o_proj.weight"]
     else:
         state["embed_tokens.weight"] = stories_model.model.embed_tokens.weight.clone()
     save_file(state, str(weights_file))

@@ -1,4 +1,6 @@
-"""mtp_train.losses: the chunked fused loss equals the materialised one, in value and in gradient."""
+"""mtp_train.losses: the chunked fused loss equals the materialised one, in value and in gradient (the head's input
+and, when trainable, its lm_head rows), over the whole vocabulary and over a draft vocabulary; the target's
+distribution is computed once and read by rows."""
 
 from __future__ import annotations
 
@@ -7,17 +9,25 @@ import torch
 import torch.nn.functional as F
 
 from data_tools.features import next_token_logits
-from mtp_train.losses import distill_loss, feature_loss
+from mtp_train.losses import distill_loss, feature_loss, target_distribution
 
 
-def reference_distill_loss(x, lm_head_weight, target_hidden, norm_weight, token_weight, eps, w_kl, w_ce):
+def reference_distill_loss(x, head_weight, target_hidden, norm_weight, lm_head_weight, token_weight, eps, w_kl, w_ce,
+                           draft_ids=None):
     """The same loss with the whole [T, V] logits materialised, by plain autograd: the tests' reference."""
-    log_q = torch.log_softmax(F.linear(x, lm_head_weight).float(), dim=-1)
+    log_q = torch.log_softmax(F.linear(x, head_weight).float(), dim=-1)
     target_logits = next_token_logits(target_hidden, norm_weight, lm_head_weight, eps)
+    top = target_logits.argmax(-1)
+    drafted = torch.ones_like(top, dtype=torch.bool)
+    if draft_ids is not None:
+        to_draft = torch.full((lm_head_weight.shape[0],), -1)
+        to_draft[draft_ids] = torch.arange(draft_ids.numel())
+        target_logits, top = target_logits[:, draft_ids], to_draft[top]
+        drafted = top >= 0
     log_p = torch.log_softmax(target_logits, dim=-1)
     kl = (log_p.exp() * (log_p - log_q)).sum(-1)
-    ce = F.nll_loss(log_q, target_logits.argmax(-1), reduction="none")
-    return (token_weight.float() * (w_kl * kl + w_ce * ce)).sum()
+    ce = -log_q.gather(-1, top.clamp(min=0)[:, None])[:, 0]
+    return (token_weight.float() * drafted * (w_kl * kl + w_ce * ce)).sum(), log_p, log_q, top
 
 
 def _inputs(tokens=37, hidden=16, vocab=101, seed=0):
@@ -30,35 +40,47 @@ def _inputs(tokens=37, hidden=16, vocab=101, seed=0):
     return x, lm_head, target, norm, mask
 
 
-@pytest.mark.parametrize("chunk", [1, 5, 16, 1000])
+@pytest.mark.parametrize("chunk", [1, 5, 1000])
 @pytest.mark.parametrize("w_kl,w_ce", [(1.0, 0.0), (0.0, 1.0), (0.7, 0.3)])
-def test_chunked_equals_materialised_value_and_gradient(chunk, w_kl, w_ce):
+@pytest.mark.parametrize("vocab", ["whole", "draft"])
+def test_chunked_equals_materialised_value_and_gradient(chunk, w_kl, w_ce, vocab):
     x, lm_head, target, norm, mask = _inputs()
-    loss, stats = distill_loss(x, lm_head, target, norm, mask, 1e-5, w_kl, w_ce, chunk)
-    (grad,) = torch.autograd.grad(loss * 1.7, x)  # a non-unit upstream gradient
-    ref = reference_distill_loss(x, lm_head, target, norm, mask, 1e-5, w_kl, w_ce)
-    (ref_grad,) = torch.autograd.grad(ref * 1.7, x)
+    draft_ids = torch.arange(0, 101, 2) if vocab == "draft" else None  # half the vocabulary: some argmaxes outside
+    head_weight = (lm_head if draft_ids is None else lm_head[draft_ids]).clone().requires_grad_()
+    dist = target_distribution(target, norm, lm_head, 1e-5, draft_ids, chunk=7)
+    loss, stats, agree = distill_loss(x, head_weight, dist, mask, w_kl, w_ce, chunk)
+    grad, grad_w = torch.autograd.grad(loss * 1.7, (x, head_weight))  # a non-unit upstream gradient
+    ref, log_p, log_q, top = reference_distill_loss(x, head_weight, target, norm, lm_head, mask, 1e-5, w_kl, w_ce,
+                                                    draft_ids)
+    ref_grad, ref_grad_w = torch.autograd.grad(ref * 1.7, (x, head_weight))
     torch.testing.assert_close(loss, ref.float(), rtol=1e-6, atol=1e-6)
     torch.testing.assert_close(grad, ref_grad, rtol=1e-4, atol=1e-6)  # logits are fp32, as in training
-    # stats: unweighted sums over trained positions
-    log_p = torch.log_softmax(next_token_logits(target, norm, lm_head, 1e-5), -1)
-    log_q = torch.log_softmax(x.detach() @ lm_head.T, -1)
-    kl = (log_p.exp() * (log_p - log_q)).sum(-1)
-    agree = (log_q.argmax(-1) == log_p.argmax(-1)).double()
-    torch.testing.assert_close(stats[0].double(), (kl * mask).sum(), rtol=1e-5, atol=1e-6)
-    torch.testing.assert_close(stats[2].double(), (agree * mask).sum())
+    torch.testing.assert_close(grad_w, ref_grad_w, rtol=1e-4, atol=1e-5)
+    # stats: unweighted sums over trained positions (KL where the target's argmax is drafted)
+    drafted = (top >= 0).double()
+    kl = (log_p.exp() * (log_p - log_q.detach())).sum(-1)
+    matches = (log_q.detach().argmax(-1) == top) & (top >= 0)
+    torch.testing.assert_close(stats[0].double(), (kl * mask * drafted).sum(), rtol=1e-5, atol=1e-6)
+    torch.testing.assert_close(stats[2].double(), (matches.double() * mask).sum())
+    assert torch.equal(agree, matches)
+    if vocab == "draft":
+        assert 0 < int(drafted.sum()) < len(drafted)  # the case a draft vocabulary brings is exercised
 
 
 def test_loss_mask_respected_and_kl_zero_when_head_equals_target():
     x, lm_head, target, norm, mask = _inputs()
+    dist = target_distribution(target, norm, lm_head, 1e-5, None, chunk=8)
     normed = (target * torch.rsqrt(target.pow(2).mean(-1, keepdim=True) + 1e-5) * norm).detach().requires_grad_()
-    loss, stats = distill_loss(normed, lm_head, target, norm, mask, 1e-5, 1.0, 0.0, 8)
+    loss, stats, _ = distill_loss(normed, lm_head, dist, mask, 1.0, 0.0, 8)
     assert abs(loss.item()) < 1e-5 and stats[2].item() == mask.sum().item()
     # changing an untrained position changes neither the loss nor its gradient elsewhere
     x2 = x.detach().clone()
     off = int((mask == 0).nonzero()[0])
     x2[off] += 5
-    a = distill_loss(x.detach(), lm_head, target, norm, mask, 1e-5, 1.0, 0.5, 8)[0]
-    b = distill_loss(x2, lm_head, target, norm, mask, 1e-5, 1.0, 0.5, 8)[0]
+    a = distill_loss(x.detach(), lm_head, dist, mask, 1.0, 0.5, 8)[0]
+    b = distill_loss(x2, lm_head, dist, mask, 1.0, 0.5, 8)[0]
     assert a.item() == pytest.approx(b.item(), rel=1e-12)
     assert feature_loss(x, x.detach() + (1 - mask)[:, None] * 3, mask).item() == 0.0
+    # rows of the distribution are the distribution of those rows
+    rows = torch.tensor([3, 0, 3])
+    torch.testing.assert_close(dist.rows(rows).probs, target_distribution(target[rows], norm, lm_head, 1e-5, None, 2).probs)

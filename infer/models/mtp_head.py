@@ -15,10 +15,14 @@ Emb and lm_head are the target's own tensors, used in place (never copied, never
 h'_i stands in for the target's h_{i+1} when the head drafts a second token. Each norm can be switched off
 (EAGLE-1 has none and adds a bias to the projection) so their effect can be measured.
 
+`DraftHead` is what every head architecture shares (the target's tensors, the one-layer KV cache, the hooks the
+drafter and the trainer call); the EAGLE-3 head (`infer.models.eagle3_head`) is the other subclass.
+
 A head folder holds `config.json` (`MTPHeadConfig` plus the decoder layer's config) and `model.safetensors`
-with keys enorm.weight, hnorm.weight, eh_proj.weight (+ .bias), layer.*, final_norm.weight. This module is the one
-home of that format: `read_head` (no target needed), `attach_to_target`, `load_head` (both), `save_head`, and the
-builders `head_config_for` and `init_head_from_target`.
+with keys enorm.weight, hnorm.weight, eh_proj.weight (+ .bias), layer.*, final_norm.weight (EAGLE-3: its own keys,
+see its module). This module is the one home of that format for every architecture: `read_head` (no target
+needed), `attach_to_target`, `load_head` (both), `save_head`, and the builders `head_config_for` and
+`init_head_from_target`.
 """
 
 from __future__ import annotations
@@ -26,25 +30,27 @@ from __future__ import annotations
 import hashlib
 import json
 import weakref
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict
 from pathlib import Path
 
 import torch
 from safetensors.torch import load_file, save_file
 from torch import nn
-from transformers import DeepseekV2Config, LlamaConfig, PretrainedConfig
+from transformers import PretrainedConfig
 
 from infer.atomic_io import atomic_folder
 from infer.attention import AttentionBackend
-from infer.models.common import ModelOutput, RMSNorm, RotaryEmbedding, final_logits, half_split_cos_sin
+from infer.models.common import ModelOutput, RMSNorm, RotaryEmbedding, half_split_cos_sin
 from infer.models.deepseek_v2 import DeepseekV2DecoderLayer
+from infer.models.eagle3_head import Eagle3Head, eagle3_config_fields, init_eagle3_from_target
+from infer.models.head_base import (
+    HEAD_FORMAT_VERSION, DraftHead, HeadLoadError, MTPHeadConfig, SharedTargetWeights,
+)
 from infer.models.llama import LlamaDecoderLayer
 from infer.parallel import whole_weight
 
-HEAD_FORMAT_VERSION = 1
-ARCHITECTURES = ("mtp", "eagle1")
-HIDDEN_STATES = ("pre_norm", "post_norm")  # which of the target's last-layer states the head reads (MTPHeadConfig)
-MLPS = ("dense", "moe")  # a DeepSeek-V2 head's MLP: one dense MLP, or the target's routed + shared experts
+ARCHITECTURES = ("mtp", "eagle1", "eagle3")
+DRAFTER_KINDS = {"mtp": "mtp", "eagle1": "mtp", "eagle3": "eagle3"}  # architecture -> infer.engine drafter kind
 # The target config fields a head's decoder layer copies, per decoder type.
 DECODER_KEYS = {
     "llama": ("hidden_size", "intermediate_size", "num_attention_heads", "num_key_value_heads", "head_dim",
@@ -57,68 +63,9 @@ DECODER_KEYS = {
 }
 
 
-class HeadLoadError(ValueError):
-    """A head folder that cannot serve this target; the message names the file or field."""
-
-
-@dataclass
-class MTPHeadConfig:
-    hidden_size: int
-    vocab_size: int
-    decoder: dict  # the decoder layer's config (a LlamaConfig dict: heads, head_dim, intermediate size, rope, eps)
-    enorm: bool = True
-    hnorm: bool = True
-    final_norm: bool = True
-    proj_bias: bool = False
-    layer_input_norm: bool = True  # the decoder layer's own input RMSNorm (EAGLE-1's first layer has none)
-    rms_norm_eps: float = 1e-5
-    architecture: str = "mtp"  # "mtp" (norms on) or "eagle1" (no norms, biased projection)
-    target: dict = field(default_factory=dict)  # {"name", "hidden_size", "vocab_size", "shared_tensors_sha256"}
-    format_version: int = HEAD_FORMAT_VERSION
-    decoder_type: str = "llama"  # "llama" or "deepseek_v2" (MLA attention, dense MLP)
-    recommended_k: dict = field(default_factory=dict)  # batch size -> K, from a validation (mtp_train.export --report)
-    # "pre_norm": h_i is the target's last-layer output as the runtime returns it; "post_norm": after the target's
-    # final norm, as vLLM and SGLang feed EAGLE-1/2 and NextN drafters. Later draft steps read the head's own h'.
-    hidden_state: str = "pre_norm"
-    mlp: str = "dense"  # DeepSeek-V2 decoders: "dense" or "moe" (the target's experts, as NextN builds its layer)
-
-    def num_draft_tokens_for(self, batch_size: int) -> int | None:
-        """The recommended K at the largest measured batch size <= batch_size (the smallest one below them all)."""
-        if not self.recommended_k:
-            return None
-        sizes = sorted(int(b) for b in self.recommended_k)
-        fitting = [b for b in sizes if b <= batch_size] or sizes[:1]
-        return int(self.recommended_k[str(fitting[-1])])
-
-    def decoder_config(self) -> PretrainedConfig:
-        if self.hidden_state not in HIDDEN_STATES:
-            raise HeadLoadError(f"hidden_state {self.hidden_state!r}: expected one of {', '.join(HIDDEN_STATES)}")
-        if self.mlp not in MLPS or (self.mlp == "moe" and self.decoder_type != "deepseek_v2"):
-            raise HeadLoadError(f"mlp {self.mlp!r} with decoder_type {self.decoder_type!r}: 'moe' needs a DeepSeek-V2 "
-                                "decoder, otherwise 'dense'")
-        if self.decoder_type == "llama":
-            return LlamaConfig(**self.decoder)
-        if self.decoder_type == "deepseek_v2":
-            # built as layer 0: before the first MoE layer (a dense MLP of `intermediate_size`, the dense-layer
-            # width), or, for mlp="moe", as an MoE layer like the target's
-            return DeepseekV2Config(**{**self.decoder, "first_k_dense_replace": 1 if self.mlp == "dense" else 0})
-        raise HeadLoadError(f"unknown decoder_type {self.decoder_type!r}: expected 'llama' or 'deepseek_v2'")
-
-
-@dataclass
-class SharedTargetWeights:
-    """The target's embedding, output projection and final norm, referenced (not registered) so a head never saves
-    them; the norm turns the target's states into a post_norm head's input."""
-
-    embed_tokens: nn.Embedding
-    lm_head: nn.Linear
-    final_norm: nn.Module | None = None
-
-
-class MTPHead(nn.Module):
+class MTPHead(DraftHead):
     def __init__(self, config: MTPHeadConfig) -> None:
-        super().__init__()
-        self.config = config
+        super().__init__(config)
         hidden, eps = config.hidden_size, config.rms_norm_eps
         self.enorm = RMSNorm(hidden, eps) if config.enorm else nn.Identity()
         self.hnorm = RMSNorm(hidden, eps) if config.hnorm else nn.Identity()
@@ -135,27 +82,6 @@ class MTPHead(nn.Module):
             self.layer.input_layernorm = nn.Identity()
         self.final_norm = RMSNorm(hidden, eps) if config.final_norm else nn.Identity()
         self.rotary_emb = RotaryEmbedding(decoder_config, rope_dim)
-        self.shared: SharedTargetWeights | None = None
-
-    def attach(self, shared: SharedTargetWeights) -> "MTPHead":
-        """Point the head at the target's embedding and lm_head (in place, no copy)."""
-        embed = shared.embed_tokens  # the whole table's size, also when tensor parallelism splits its rows
-        if (embed.num_embeddings, embed.embedding_dim) != (self.config.vocab_size, self.config.hidden_size):
-            raise HeadLoadError(
-                f"head expects a target with vocab {self.config.vocab_size} and hidden size {self.config.hidden_size}, "
-                f"the target has {(embed.num_embeddings, embed.embedding_dim)}"
-            )
-        self.shared = shared
-        return self
-
-    def target_input(self, target_hidden: torch.Tensor) -> torch.Tensor:
-        """The target's last-layer states [T, H] as this head reads them: through the target's final norm for a
-        post_norm head (the runtime, the trainer and validation all call this, so they feed the same input)."""
-        if self.config.hidden_state == "pre_norm":
-            return target_hidden
-        if self.shared is None or self.shared.final_norm is None:
-            raise HeadLoadError("a post_norm head needs the target's final norm: attach it with the target's weights")
-        return self.shared.final_norm(target_hidden)
 
     def init_identity_projection(self) -> None:
         """eh_proj = [0 | I] (and a zero bias): the head starts by passing h_i through and ignoring the token."""
@@ -187,30 +113,10 @@ class MTPHead(nn.Module):
         x = self.layer(x, cos, sin, attn, kv_caches[0])
         return ModelOutput(self.compute_logits(x, logits_indices), x)
 
-    def compute_logits(self, hidden_states: torch.Tensor, indices: torch.Tensor | None = None) -> torch.Tensor:
-        return final_logits(self.final_norm, self.shared.lm_head, hidden_states, indices)
 
-    # --- KV cache: one layer (Llama: K/V pages; DeepSeek-V2: latent and rope-key pages) ----------
-    def allocate_kv_cache(self, num_pages: int, page_size: int, dtype: torch.dtype, device: torch.device) -> list:
-        attn = self.layer.self_attn
-        if self.mla:
-            return [(torch.zeros((num_pages, page_size, attn.kv_lora_rank), dtype=dtype, device=device),
-                     torch.zeros((num_pages, page_size, attn.qk_rope_head_dim), dtype=dtype, device=device))]
-        return [torch.zeros((num_pages, 2, page_size, attn.num_kv_heads, attn.head_dim), dtype=dtype, device=device)]
-
-    def kv_bytes_per_token(self, dtype: torch.dtype) -> int:
-        attn = self.layer.self_attn
-        elem = torch.tensor([], dtype=dtype).element_size()
-        if self.mla:
-            return (attn.kv_lora_rank + attn.qk_rope_head_dim) * elem
-        return 2 * attn.num_kv_heads * attn.head_dim * elem
-
-    def attention_dims(self) -> dict:
-        attn = self.layer.self_attn
-        if self.mla:
-            rank, rope_dim = attn.kv_lora_rank, attn.qk_rope_head_dim
-            return dict(num_heads=attn.num_heads, num_kv_heads=1, head_dim=rank + rope_dim, mla_dims=(rank, rope_dim))
-        return dict(num_heads=attn.num_heads, num_kv_heads=attn.num_kv_heads, head_dim=attn.head_dim, mla_dims=None)
+def head_module(config: MTPHeadConfig) -> DraftHead:
+    """An unattached head of `config`'s architecture, weights uninitialised."""
+    return Eagle3Head(config) if config.architecture == "eagle3" else MTPHead(config)
 
 
 def shared_tensors_sha256(embed: torch.Tensor, lm_head: torch.Tensor, rows: int = 4096) -> str:
@@ -260,12 +166,16 @@ def check_target(config: MTPHeadConfig, target: nn.Module, where: str) -> None:
 
 # --- building a head for a target ------------------------------------------------------------------------------
 def head_config_for(target_config: PretrainedConfig, identity: dict, architecture: str = "mtp",
-                    hidden_state: str = "pre_norm", mlp: str = "dense", **switches: bool) -> MTPHeadConfig:
+                    hidden_state: str = "pre_norm", mlp: str = "dense", layer_ids: list[int] | None = None,
+                    draft_vocab_size: int | None = None, trainable_lm_head: bool = False,
+                    **switches: bool) -> MTPHeadConfig:
     """A head whose decoder layer is shaped like one of the target's layers.
 
     The norm and bias switches (enorm, hnorm, final_norm, proj_bias, layer_input_norm) default to the
-    architecture's: mtp has every norm and an unbiased projection, eagle1 no norm and a biased one.
-    hidden_state and mlp: MTPHeadConfig's (checked when the decoder config is built).
+    architecture's: mtp has every norm and an unbiased projection, eagle1 no norm and a biased one. hidden_state and
+    mlp: MTPHeadConfig's (checked when the decoder config is built). eagle3 has its own layout
+    (infer.models.eagle3_head): the switches do not apply; layer_ids (None: the default rule), draft_vocab_size
+    (None: the whole vocabulary) and trainable_lm_head do.
     """
     kind = target_config.model_type
     if kind not in DECODER_KEYS:
@@ -283,17 +193,23 @@ def head_config_for(target_config: PretrainedConfig, identity: dict, architectur
     unknown = sorted(set(switches) - set(defaults))
     if unknown:
         raise HeadLoadError(f"unknown head switch {unknown[0]!r}: choose from {', '.join(defaults)}")
+    fields = {**defaults, **switches}
+    if architecture == "eagle3":
+        fields = eagle3_config_fields(target_config, layer_ids, draft_vocab_size, trainable_lm_head)
+    elif draft_vocab_size is not None or trainable_lm_head:
+        raise HeadLoadError(f"a draft vocabulary and a trainable lm_head are EAGLE-3 options, not {architecture}'s")
     config = MTPHeadConfig(
         hidden_size=target_config.hidden_size, vocab_size=target_config.vocab_size, decoder=decoder,
         rms_norm_eps=float(target_config.rms_norm_eps), architecture=architecture, target=identity,
-        decoder_type=kind, hidden_state=hidden_state, mlp=mlp, **{**defaults, **switches},
+        decoder_type=kind, hidden_state=hidden_state, mlp=mlp, **fields,
     )
     config.decoder_config()  # an unknown hidden_state or mlp is refused here, naming the field
     return config
 
 
-def init_head_from_target(target: nn.Module, target_name: str, architecture: str = "mtp") -> MTPHead:
-    """An untrained head: the target's last layer, the projection passing h_i through and ignoring the token.
+def init_head_from_target(target: nn.Module, target_name: str, architecture: str = "mtp") -> DraftHead:
+    """An untrained head: the target's last layer, the projection passing h_i through and ignoring the token
+    (EAGLE-3: passing the high layer through, see `init_eagle3_from_target`).
 
     It drafts what one more pass of the last layer over h_i would say: a real but weak guess (low acceptance),
     which is what tests of the speculation machinery need before trained heads exist. Llama targets.
@@ -302,7 +218,9 @@ def init_head_from_target(target: nn.Module, target_name: str, architecture: str
         raise HeadLoadError(f"untrained heads are built from Llama targets only, not {target.config.model_type!r}")
     identity = target_identity(target_name, target.config, target_digest(target))
     config = head_config_for(target.config, identity, architecture)
-    head = MTPHead(config).to(dtype=next(target.parameters()).dtype)
+    head = head_module(config).to(dtype=next(target.parameters()).dtype)
+    if architecture == "eagle3":
+        return init_eagle3_from_target(head.attach(shared_weights(target)), target)
     head.init_identity_projection()
     with torch.no_grad():
         wanted = head.layer.state_dict().keys()  # without its input norm when the head drops it (eagle1)
@@ -316,7 +234,7 @@ def init_head_from_target(target: nn.Module, target_name: str, architecture: str
 HEAD_FILES = ("config.json", "model.safetensors")
 
 
-def save_head(head: MTPHead, out: str | Path, overwrite: bool = True) -> Path:
+def save_head(head: DraftHead, out: str | Path, overwrite: bool = True) -> Path:
     """Write config.json + model.safetensors atomically (a temp folder renamed into place).
 
     An existing `out` is replaced only when it holds nothing but a head's two files (and overwrite is true).
@@ -347,15 +265,15 @@ def read_head_config(path: str | Path) -> MTPHeadConfig:
     return config
 
 
-def read_head(path: str | Path) -> MTPHead:
+def read_head(path: str | Path) -> DraftHead:
     """A head folder on the CPU, unattached (export needs no target): config.json + model.safetensors, checked."""
-    head = MTPHead(read_head_config(path))
+    head = head_module(read_head_config(path))
     weights_file = Path(path) / "model.safetensors"
     load_weights(head, load_file(str(weights_file)), weights_file)
     return head
 
 
-def load_weights(head: MTPHead, state: dict[str, torch.Tensor], source: Path) -> None:
+def load_weights(head: DraftHead, state: dict[str, torch.Tensor], source: Path) -> None:
     """Fill `head` from a state dict read from `source`; a missing, unexpected or misshapen tensor names it."""
     try:
         missing, unexpected = head.load_state_dict(state, strict=False)
@@ -365,15 +283,15 @@ def load_weights(head: MTPHead, state: dict[str, torch.Tensor], source: Path) ->
         raise HeadLoadError(f"{source}: missing {missing[:4]}, unexpected {unexpected[:4]}")
 
 
-def copy_head(head: MTPHead) -> MTPHead:
+def copy_head(head: DraftHead) -> DraftHead:
     """A detached copy of a head's config and weights (the trainer's module stays as it is)."""
-    copy = MTPHead(head.config)
+    copy = head_module(head.config)
     copy.load_state_dict({name: tensor.detach() for name, tensor in head.state_dict().items()})
     return copy
 
 
-def attach_to_target(head: MTPHead, target: nn.Module, dtype: torch.dtype | None = None,
-                     where: str = "the head") -> MTPHead:
+def attach_to_target(head: DraftHead, target: nn.Module, dtype: torch.dtype | None = None,
+                     where: str = "the head") -> DraftHead:
     """The head as the runtime serves it: checked against `target`, on its device, in `dtype` (default the
     target's), frozen, and reading the target's own embedding and lm_head."""
     check_target(head.config, target, where)
@@ -387,6 +305,6 @@ def shared_weights(target: nn.Module) -> SharedTargetWeights:
     return SharedTargetWeights(target.model.embed_tokens, target.lm_head, target.model.norm)
 
 
-def load_head(path: str | Path, target: nn.Module, dtype: torch.dtype | None = None) -> MTPHead:
+def load_head(path: str | Path, target: nn.Module, dtype: torch.dtype | None = None) -> DraftHead:
     """Load a head folder against `target`, refusing a head trained for a different target."""
     return attach_to_target(read_head(path), target, dtype, where=str(Path(path) / "config.json"))

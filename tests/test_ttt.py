@@ -1,0 +1,162 @@
+"""Training-time test: the trainer's unroll (mtp_train.ttt) computes what the runtime's drafter computes.
+
+- `chain_attention` equals attention written out query by query over (step-0 keys of anchors 0..j, the chain's keys
+  at anchor j), in value and gradient, with grouped queries and a value width unlike the key width (MLA's shape).
+- Replay on a text (BOS then the target's greedy story, so a correct draft is the text's next token): an MTP and an
+  EAGLE-3 head, fitted to the text for a few steps so that chains run long, draft every anchor through infer's
+  `Drafter` (catch-up over the prefix from the target's features in a paged KV cache, then K greedy drafts, each
+  reading the head's own state). The trainer's per-step conditional top-1 (UnrolledHead's stats) equals the
+  runtime's conditional acceptance within 1 point, and its logits equal the drafter's where the chain is reached.
+  Control: the previous pattern (step k attends only to step k's own keys) gives other logits there.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from infer.attention import PackedCausalAttention
+from infer.engine import Engine, EngineConfig
+from infer.kv_cache import PagePool, PageTable
+from infer.models.mtp_head import init_head_from_target
+from infer.sampler import SamplingTensors
+from infer.sampling_params import SamplingParams
+from infer.speculative import DRAFTERS
+from mtp_train.data import PackedBatch, unroll_plan
+from mtp_train.ttt import chain_attention
+from mtp_train.unroll import LossWeights, UnrolledHead, per_step_means, unrolled_steps
+from tests.test_eagle3 import fit_to_text
+
+pytestmark = pytest.mark.usefixtures("one_torch_thread")
+
+K = 4
+TEXT_TOKENS = 120
+FIT_STEPS = {"mtp": 12, "eagle3": 20}  # optimizer steps that bring greedy acceptance to ~0.75 on the text
+
+
+def test_chain_attention_equals_attention_written_out():
+    g = torch.Generator().manual_seed(0)
+    heads, kv_heads, n0, dk, dv, steps = 4, 2, 9, 5, 7, 3
+    n = n0 - steps
+    q = torch.randn(heads, n, dk, generator=g, dtype=torch.float64, requires_grad=True)
+    k0 = torch.randn(kv_heads, n0, dk, generator=g, dtype=torch.float64, requires_grad=True)
+    v0 = torch.randn(kv_heads, n0, dv, generator=g, dtype=torch.float64, requires_grad=True)
+    ck = torch.randn(steps, kv_heads, n, dk, generator=g, dtype=torch.float64, requires_grad=True)
+    cv = torch.randn(steps, kv_heads, n, dv, generator=g, dtype=torch.float64, requires_grad=True)
+    out = chain_attention(q, k0, v0, ck, cv, 0.3)
+    rows = []
+    for h in range(heads):
+        kv = h // (heads // kv_heads)
+        for j in range(n):
+            keys = torch.cat((k0[kv, : j + 1], ck[:, kv, j]))
+            values = torch.cat((v0[kv, : j + 1], cv[:, kv, j]))
+            rows.append(torch.softmax(0.3 * keys @ q[h, j], 0) @ values)
+    reference = torch.stack(rows).view(heads, n, dv)
+    torch.testing.assert_close(out, reference)
+    weights = torch.randn(out.shape, generator=g, dtype=torch.float64)
+    for got, want in zip(torch.autograd.grad((out * weights).sum(), (q, k0, v0, ck, cv)),
+                         torch.autograd.grad((reference * weights).sum(), (q, k0, v0, ck, cv))):
+        torch.testing.assert_close(got, want)
+    # no chain: plain causal attention
+    plain = chain_attention(q, k0[:, :n], v0[:, :n], ck[:0], cv[:0], 0.3)
+    assert torch.allclose(plain[:, 0], v0[:, :1].repeat_interleave(2, 0)[:, 0])
+
+
+@pytest.fixture(scope="module")
+def text(stories_model, stories_tokenizer) -> list[int]:
+    engine = Engine(stories_model, stories_tokenizer, [2], EngineConfig(backend="torch", num_pages=32))
+    request = engine.generate([[1]], SamplingParams(max_new_tokens=TEXT_TOKENS - 1, ignore_eos=True))[0]
+    return request.token_ids
+
+
+@pytest.fixture(scope="module")
+def target_out(stories_model, text):
+    ids = torch.tensor(text)
+    with torch.no_grad():
+        return stories_model(ids, torch.arange(len(text)), PackedCausalAttention([len(text)]),
+                             [None] * len(stories_model.model.layers), aux_layers=(0, 1, 3))
+
+
+@pytest.fixture(scope="module", params=["mtp", "eagle3"])
+def fitted(request, stories_model, text):
+    """A head of each kind fitted to the text with the TTT unroll, so that drafts are often right; the trainer's
+    stats (UnrolledHead) and per-step logits (unrolled_steps) on the text."""
+    head = init_head_from_target(stories_model, "stories260K", request.param)
+    head, batch = fit_to_text(head, stories_model, text, FIT_STEPS[request.param], K)
+    objective = UnrolledHead(head, stories_model.model.norm.weight, 1e-5, K, LossWeights(ce=1.0))
+    counts = torch.tensor([float(len(text) - 1 - k) for k in range(K)])
+    with torch.no_grad():
+        _, stats = objective(batch, counts)
+        logits = [head.compute_logits(out.hidden_states) for _, out in unrolled_steps(head, batch, K)]
+    return request.param, head, batch, per_step_means(stats, counts), logits
+
+
+class Seq:
+    """What the drafter reads of a request: the text up to the pending token after anchor i."""
+
+    def __init__(self, request_id: int, token_ids: list[int], pool: PagePool) -> None:
+        self.request_id, self.token_ids, self.num_computed = request_id, token_ids, len(token_ids) - 1
+        self.page_table = PageTable(pool)
+        self.page_table.extend(len(token_ids) + K)
+
+
+def runtime_drafts(kind: str, head, text: list[int], target_out):
+    """Every anchor i drafted as the engine would: catch-up over 0..i, then K greedy drafts.
+
+    Returns (drafts [A, K], step logits [A, K, V] recorded from the drafter's forwards)."""
+    anchors = len(text) - 1
+    pool = PagePool(anchors * (-(-(len(text) + K) // 16)), 16)
+    drafter = DRAFTERS[kind](head, pool.num_pages, 16, "torch")
+    seqs = [Seq(i, text[: i + 2], pool) for i in range(anchors)]
+    features = drafter.target_features(target_out)
+    drafter.catch_up(seqs, {i: (0, features) for i in range(anchors)})
+    recorded = [torch.stack([drafter.carried_logits(i) for i in range(anchors)])]
+    run = drafter._run  # every drafter forward goes through it; from here on, only propose's
+
+    def recording_run(*args, **kwargs):
+        out = run(*args, **kwargs)
+        recorded.append(out.logits)
+        return out
+
+    drafter._run = recording_run
+    greedy = SamplingTensors.from_params([SamplingParams()] * anchors, "cpu")
+    drafts, _ = drafter.propose(seqs, K, greedy, [torch.Generator()] * anchors)
+    return drafts, torch.stack(recorded, dim=1)
+
+
+def test_trainer_top1_equals_the_runtimes_conditional_acceptance(fitted, stories_model, text, target_out):
+    kind, head, batch, trainer, trainer_logits = fitted
+    drafts, runtime_logits = runtime_drafts(kind, head, text, target_out)
+    target_argmax = target_out.logits.argmax(-1)  # [n]: the target's token after each position
+    n = len(text)
+    reached = torch.ones(n - 1, dtype=torch.bool)  # anchor i reaches step k when drafts 0..k-1 were accepted
+    old_pattern = old_pattern_logits(head, batch)
+    for k, step in enumerate(unroll_plan(batch.seq_lens, K)):
+        valid = n - 1 - k  # anchors 0..n-2-k have a target at position i + 1 + k
+        accepted = drafts[:valid, k] == target_argmax[k + 1 : k + 1 + valid]
+        here = reached[:valid]
+        runtime = float(accepted[here].float().mean())
+        print(f"{kind} step {k}: runtime conditional acceptance {runtime:.4f} over {int(here.sum())}, trainer "
+              f"{trainer[f'cond_top1_{k}']:.4f}, trainer top-1 {trainer[f'top1_{k}']:.4f}")
+        assert abs(runtime - trainer[f"cond_top1_{k}"]) <= 0.01
+        # where the chain is reached, the drafter read exactly the trainer's inputs: the same logits
+        rows = here.nonzero().flatten()
+        torch.testing.assert_close(runtime_logits[rows, k], trainer_logits[k][rows], rtol=1e-4, atol=1e-4)
+        if k > 0:
+            assert int(here.sum()) >= 20  # chains run: the comparison at this step is not vacuous
+            gap = (old_pattern[k][rows] - trainer_logits[k][rows]).abs().max()
+            assert gap > 1e-2, f"step {k}: the old attention pattern gives the same logits (max gap {gap:.1e})"
+        reached = reached[:valid] & accepted
+
+
+@torch.no_grad()
+def old_pattern_logits(head, batch: PackedBatch) -> list[torch.Tensor]:
+    """The control: the same unroll with step k attending only to step k's own keys (causal per record)."""
+    hidden = head.features(batch.hidden_states, batch.aux_hidden_states)
+    logits = []
+    for step in unroll_plan(batch.seq_lens, K):
+        out = head(batch.input_ids[step.token_index], step.positions, PackedCausalAttention(step.seq_lens), [None],
+                   hidden_states=hidden[step.prev_index])
+        logits.append(out.logits)
+        hidden = out.hidden_states
+    return logits
