@@ -22,6 +22,7 @@ ${output_dir}/head), the run dir output_dir, and prompts=FILE. Flags win over ov
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import sys
 import time
 from pathlib import Path
@@ -37,7 +38,7 @@ from infer.kv_cache import pages_needed
 from infer.loader import DTYPES
 from infer.models.common import ModelOutput
 from infer.models.mtp_head import DRAFTER_KINDS, DraftHead, attach_to_target, copy_head, load_head
-from infer.parallel import group_of, init_tp, on_rank0, serve_forever, tp_main
+from infer.parallel import group_of, init_tp, on_rank0, serve_forever, tp_main, whole_weight
 from infer.prompts import VALIDATION_PROMPTS, read_prompt_file
 from infer.sampling_params import SamplingParams
 from infer.speedup import (
@@ -82,8 +83,16 @@ def trainer_replay(model: nn.Module, head: DraftHead, sequences: list[list[int]]
     batch = PackedBatch(torch.tensor([t for seq in sequences for t in seq], device=mask.device), out.hidden_states,
                         mask, [len(seq) for seq in sequences], list(range(len(sequences))), aux)
     counts = step_token_counts(batch, k)
-    objective = UnrolledHead(head, model.model.norm.weight, float(model.config.rms_norm_eps), k, LossWeights())
-    _, stats = objective(batch, counts.to(mask.device))
+    shared = head.shared
+    if group_of(model).size > 1:  # the loss scores whole lm_head rows: gather the vocabulary shards (every rank)
+        lm_head = nn.Linear(model.config.hidden_size, model.config.vocab_size, bias=False, device="meta")
+        lm_head.weight = nn.Parameter(whole_weight(shared.lm_head), requires_grad=False)
+        head.shared = dataclasses.replace(shared, lm_head=lm_head)
+    try:
+        objective = UnrolledHead(head, model.model.norm.weight, float(model.config.rms_norm_eps), k, LossWeights())
+        _, stats = objective(batch, counts.to(mask.device))
+    finally:
+        head.shared = shared
     means = per_step_means(stats.cpu(), counts)
     return {"top1": [round(means[f"top1_{j}"], 4) for j in range(k)],
             "cond_top1": [round(means[f"cond_top1_{j}"], 4) for j in range(k)],

@@ -40,6 +40,19 @@ def _wait_gone(out: Path, seconds: float = 5.0) -> list[int]:
     return left
 
 
+def _wait_dead(pid: int, seconds: float = 5.0) -> None:
+    """Until `pid` is gone or a zombie (its state in /proc/PID/stat)."""
+    deadline = time.monotonic() + seconds
+    while time.monotonic() < deadline:
+        try:
+            state = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0]
+        except (FileNotFoundError, ProcessLookupError):
+            return
+        if state in "ZX":
+            return
+        time.sleep(0.05)
+
+
 def _lines(output: str) -> list[str]:
     """The output without set -x's echo of the command."""
     return [line for line in output.splitlines() if not line.startswith("+ ")]
@@ -89,6 +102,7 @@ def test_killed_launcher_leaves_no_worker_running_and_a_stale_lock(running, targ
     assert proc.returncode == (-sig if sig == signal.SIGKILL else 128 + sig), output
     assert "Traceback" not in output
     holder = json.loads((out / run_lock.LOCK_NAME).read_text())  # a killed rank 0 cannot release it: the rerun
+    _wait_dead(holder["pid"])  # a dying process leaves /proc's cmdline before it is a zombie
     mine = run_lock.acquire(out)                                  # takes it over
     assert mine["pid"] == os.getpid() and capsys.readouterr().err == (
         f"note: taking over {out / run_lock.LOCK_NAME}: its holder, pid {holder['pid']} on {holder['host']} since "

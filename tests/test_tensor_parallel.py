@@ -295,7 +295,7 @@ def test_bench_cli_with_tp_matches_one_process(session, stories_hf_dir, head_dir
 
 
 def test_validate_cli_with_tp_matches_one_process(session, session_dir, stories_hf_dir, head_dir, tmp_path, capsys):
-    """`mtp_train.validate --tp 2`: the report of one process (acceptance, tau, the head's loss recomputed by
+    """`mtp_train.validate --tp 2`: the report of one process (acceptance, tau, the trainer's replay recomputed by
     collective forwards on rank 0's sequences, a K recommended per batch size); only rank 0 writes it."""
     rank0, rank1 = session
     assert rank0["validate/exit"] == rank1["validate/exit"] == 0 and rank1["validate/stdout"] == ""
@@ -303,12 +303,12 @@ def test_validate_cli_with_tp_matches_one_process(session, session_dir, stories_
     assert validate_main(validate_args(str(stories_hf_dir), str(head_dir), str(tmp_path))) == 0
     one = json.loads((tmp_path / "report.json").read_text())
     assert (two["tp"], one["tp"]) == (2, 1)
-    measured = lambda report: [(r["temperature"], r["tau"], r["acceptance_per_position"],  # noqa: E731
+    measured = lambda report: [(r["temperature"], r["tau"], r["conditional_acceptance"],  # noqa: E731
                                 r["accepted_length_histogram"]) for r in report["runs"]]
     assert measured(two) == measured(one) and len(measured(one)) == 2
-    assert two["head_loss"]["positions"] == one["head_loss"]["positions"] > 0
-    assert two["head_loss"]["kl"] == pytest.approx(one["head_loss"]["kl"], rel=1e-5)
-    assert two["head_loss"]["top1"] == one["head_loss"]["top1"]
+    assert two["trainer_replay"]["positions"] == one["trainer_replay"]["positions"] > 0
+    assert two["trainer_replay"]["kl"] == pytest.approx(one["trainer_replay"]["kl"], rel=1e-4, abs=1e-4)
+    assert two["trainer_replay"]["top1"] == one["trainer_replay"]["top1"]
     assert sorted(two["recommended_k"]["by_batch_size"]) == sorted(one["recommended_k"]["by_batch_size"]) == ["1", "32", "8"]
 
 

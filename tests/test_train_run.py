@@ -111,7 +111,8 @@ def test_validation_served_over_both_ranks_matches_rank_0_alone(tmp_path, two_pr
     for a, b in zip(reference, ours):
         measured = sorted(k for k in a if k.startswith(("tau_", "acceptance_")))
         assert len(measured) == 10 and {k: b[k] for k in measured} == {k: a[k] for k in measured}
-        assert b["runtime_kl"] == pytest.approx(a["runtime_kl"], rel=1e-5)
+        replay = sorted(k for k in a if k.startswith("replay_cond_top1_"))
+        assert replay and {k: b[k] for k in replay} == pytest.approx({k: a[k] for k in replay}, abs=1e-4)
 
 
 def test_kill_and_resume_continue_the_same_steps_and_data(tmp_path, one_process, features, stories_hf_dir):
