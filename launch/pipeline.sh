@@ -69,13 +69,13 @@ python - "$OUT" $HEADS <<'EOF'
 import json, sys
 from pathlib import Path
 out, heads = Path(sys.argv[1]), sys.argv[2:]
-print(f"{'head':>7} {'T':>4} {'tau':>6} {'speedup':>8} {'trainer top1':>13}  acceptance per position")
+print(f"{'head':>7} {'T':>4} {'tau':>6} {'speedup':>8}  conditional acceptance per position   trainer (greedy text)")
 for head in heads:
     report = json.loads((out / f"run-{head}" / "validation" / "report.json").read_text())
+    replay = report.get("trainer_replay") or {}
     for run in report["runs"]:
-        acc = " ".join(f"{a:.3f}" for a in run["acceptance_per_position"])
-        top1 = report.get("trainer_top1")
-        print(f"{head:>7} {run['temperature']:>4} {run['tau']:>6.3f} {run['speedup']:>8.3f} "
-              f"{'' if top1 is None else f'{top1:.3f}':>13}  {acc}")
+        acc = " ".join(f"{a:.3f}" for a in run["conditional_acceptance"])
+        trainer = " ".join(f"{a:.3f}" for a in replay.get("cond_top1", [])) if run["temperature"] == 0 else ""
+        print(f"{head:>7} {run['temperature']:>4} {run['tau']:>6.3f} {run['speedup']:>8.3f}  {acc:<36} {trainer}")
 print(f"artifacts: {out}/ (stories260K/, data/, features/, " + ", ".join(f"run-{h}/" for h in heads) + ")")
 EOF
