@@ -1,6 +1,6 @@
-"""Write an untrained MTP head for a target: its last layer, passing h_i through (see init_head_from_target).
+"""Write an untrained head for a target: its last layer, passing h_i through (see init_head_from_target).
 
-    python -m infer.init_head --target DIR --out DIR [--architecture mtp|eagle1]
+    python -m infer.init_head --target DIR --out DIR [--architecture mtp|eagle1|eagle3]
 
 Useful to exercise speculative decoding before a trained head exists; trained heads come from mtp_train.
 """
@@ -21,8 +21,9 @@ def main(argv: list[str] | None = None) -> int:
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--target", required=True, type=Path, help="the target's Hugging Face folder (Llama)")
     parser.add_argument("--out", required=True, type=Path, help="head folder to write")
-    parser.add_argument("--architecture", choices=["mtp", "eagle1"], default="mtp",
-                        help="mtp: with input and final norms; eagle1: no norms, biased projection")
+    parser.add_argument("--architecture", choices=["mtp", "eagle1", "eagle3"], default="mtp",
+                        help="mtp: with input and final norms; eagle1: no norms, biased projection; eagle3: three "
+                             "target layers fused, the whole vocabulary")
     parser.add_argument("--overwrite", action="store_true", help="replace a head already in --out (nothing else)")
     args = parser.parse_args(argv)
     head = init_head_from_target(load_model(args.target), str(args.target), args.architecture)

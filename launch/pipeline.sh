@@ -2,14 +2,18 @@
 # The whole pipeline on the embedded default, stories260K, in one command:
 #   1. convert the llama2.c checkpoint to a Hugging Face folder (first use only);
 #   2. self-distil: the target writes stories from BOS through infer/ (T=1, seeded);
-#   3. precompute the target's features through infer/ (sharded safetensors + manifest);
-#   4. train a head with DeepSpeed under torchrun (2 processes on CPU, gloo);
-#   5. validate it in infer/ (speculative decoding: acceptance per position, tau, speedup);
-#   6. export it to the runtime, SGLang NextN and EAGLE layouts.
-# HEADS="mtp eagle1" trains the EAGLE-1 ablation on the same data too, for the norm comparison.
+#   3. precompute the target's features through infer/ (sharded safetensors + manifest), with the three layers an
+#      EAGLE-3 head fuses;
+#   4. train each head on the same features with DeepSpeed under torchrun (2 processes on CPU, gloo): TTT unroll
+#      of 4 steps, the recipe of conf/model/stories260k.yaml;
+#   5. validate each in infer/ (speculative decoding on 64 held-out story openings x 128 tokens: conditional
+#      acceptance per position, tau, speedup, the trainer's per-step top-1 on the same text);
+#   6. export each head in the runtime format, with its recommended K;
+#   7. print the heads side by side.
+# HEADS="mtp eagle3 eagle1" adds the EAGLE-1 ablation on the same features.
 #
-#   launch/pipeline.sh                       # defaults below; every variable can be overridden
-#   STEPS=400 STORIES=1500 launch/pipeline.sh   # a quicker run (about 3 minutes)
+#   launch/pipeline.sh                          # defaults below; every variable can be overridden
+#   STEPS=400 STORIES=1500 launch/pipeline.sh   # a quicker run
 set -euo pipefail
 cd "$(dirname "$0")/.."
 
@@ -17,8 +21,8 @@ ASSETS=${ASSETS:-../shared/assets}
 OUT=${OUT:-artifacts}
 MODEL=$OUT/stories260K
 STORIES=${STORIES:-3000}       # self-distilled stories (from BOS, T=1)
-STEPS=${STEPS:-1500}           # optimizer steps per head
-HEADS=${HEADS:-mtp}            # heads to train on the same features: mtp and/or eagle1
+STEPS=${STEPS:-}               # optimizer steps per head (default: conf/model/stories260k.yaml)
+HEADS=${HEADS:-mtp eagle3}     # heads to train on the same features: mtp, eagle3, eagle1
 NPROC=${NPROC:-2}              # torchrun processes
 K=${K:-4}                      # draft tokens per step when validating
 THREADS=${THREADS:-1}          # torch threads per process: tiny models run best on one
@@ -43,25 +47,23 @@ fi
 
 stamp "precompute features"
 python -m data_tools.precompute output_dir="$OUT/features" model.path="$MODEL" data=stories260k \
-  "data.paths=[$DATA]" precompute.dtype=float32
+  "data.paths=[$DATA]" precompute.dtype=float32 head=eagle3 precompute.overwrite=true
 
+steps=()
+if [ -n "$STEPS" ]; then steps=(trainer.max_steps="$STEPS"); fi
 for head in $HEADS; do
   RUN=$OUT/run-$head
-  stamp "train the $head head ($STEPS steps, $NPROC processes)"
+  stamp "train the $head head ($NPROC processes)"
   NPROC_PER_NODE=$NPROC launch/train.sh model.path="$MODEL" features_dir="$OUT/features" data=stories260k \
-    head="$head" output_dir="$RUN" trainer.dtype=float32 trainer.max_steps="$STEPS" trainer.progress=false
+    head="$head" output_dir="$RUN" trainer.dtype=float32 trainer.progress=false trainer.eval_every=0 \
+    validate.enabled=false "${steps[@]}"
   stamp "validate the $head head in infer/"
   python -m mtp_train.validate --target "$MODEL" --head "$RUN/head" --run-dir "$RUN" --out "$RUN/validation" \
     --num-draft-tokens "$K" --threads "$THREADS"
-  if [ "$head" = mtp ]; then
-    for format in sglang-nextn eagle; do
-      python -m mtp_train.export --head "$RUN/head" --format "$format" --out "$RUN/export-$format" --target "$MODEL" \
-        --report "$RUN/validation/report.json" --overwrite
-    done
-  else
-    python -m mtp_train.export --head "$RUN/head" --format eagle --out "$RUN/export-eagle" --target "$MODEL" \
-      --report "$RUN/validation/report.json" --overwrite
-  fi
+  # The runtime's own format, with the recommended K per batch size: the default heads read the target's pre-norm
+  # state, so no vLLM/SGLang layout serves them as they are (mtp_train.export --help says which head each takes).
+  python -m mtp_train.export --head "$RUN/head" --format runtime --out "$RUN/export-runtime" --target "$MODEL" \
+    --report "$RUN/validation/report.json" --overwrite
 done
 
 stamp "done"
@@ -69,13 +71,21 @@ python - "$OUT" $HEADS <<'EOF'
 import json, sys
 from pathlib import Path
 out, heads = Path(sys.argv[1]), sys.argv[2:]
-print(f"{'head':>7} {'T':>4} {'tau':>6} {'speedup':>8}  conditional acceptance per position   trainer (greedy text)")
+print("conditional acceptance at draft position k (accepted / reached, +- SE); trainer: its conditional top-1 at the "
+      "runtime's verify steps of the same greedy text")
+print(f"{'head':>7} {'T':>3} {'tau':>6} {'speedup':>8}  {'acceptance per position':<44} trainer")
 for head in heads:
     report = json.loads((out / f"run-{head}" / "validation" / "report.json").read_text())
     replay = report.get("trainer_replay") or {}
     for run in report["runs"]:
-        acc = " ".join(f"{a:.3f}" for a in run["conditional_acceptance"])
-        trainer = " ".join(f"{a:.3f}" for a in replay.get("cond_top1", [])) if run["temperature"] == 0 else ""
-        print(f"{head:>7} {run['temperature']:>4} {run['tau']:>6.3f} {run['speedup']:>8.3f}  {acc:<36} {trainer}")
+        acc = " ".join(f"{a:.3f}+-{e:.3f}" for a, e in zip(run["conditional_acceptance"],
+                                                           run["conditional_acceptance_se"]))
+        trainer = " ".join(f"{a:.3f}" for a in replay.get("at_verify_steps", [])) if run["temperature"] == 0 else ""
+        print(f"{head:>7} {run['temperature']:>3g} {run['tau']:>6.3f} {run['speedup']:>8.3f}  {acc:<44} {trainer}")
+    summary = json.loads((out / f"run-{head}" / "summary.json").read_text())
+    vocab = summary.get("draft_vocab") or {}
+    if vocab:
+        print(f"{'':>7} draft vocabulary {vocab['size']}: held-out target mass covered by probability "
+              f"{vocab['mass_probability_eval']:.4f}, by frequency {vocab['mass_frequency_eval']:.4f}")
 print(f"artifacts: {out}/ (stories260K/, data/, features/, " + ", ".join(f"run-{h}/" for h in heads) + ")")
 EOF

@@ -47,9 +47,10 @@ def format_report(report: dict) -> str:
     replay = report["trainer_replay"]
     if replay:
         fmt = lambda values: " ".join(f"{v:.3f}" for v in values)  # noqa: E731
-        lines.append(f"trainer on the greedy text ({replay['positions']} positions): conditional top-1 "
-                     f"{fmt(replay['cond_top1'])}, top-1 {fmt(replay['top1'])}; gap to greedy acc@k "
-                     f"{fmt(report['replay_gap'])}{'  GAP' if report['gap_flag'] else ''}")
+        lines.append(f"trainer on the greedy text ({replay['positions']} positions): at the runtime's verify steps "
+                     f"{fmt(replay['at_verify_steps'])} (gap to greedy acc@k {fmt(report['replay_gap'])}"
+                     f"{', GAP' if report['gap_flag'] else ''}); every anchor: conditional {fmt(replay['cond_top1'])}, "
+                     f"top-1 {fmt(replay['top1'])}")
     for batch, rec in (report.get("recommended_k") or {}).get("by_batch_size", {}).items():
         lines.append(f"recommended K at batch {batch}: {rec['k']} (predicted speedup "
                      + ", ".join(f"K={k}: {v:.2f}" for k, v in rec["predicted_speedup"].items()) + ")")

@@ -199,7 +199,7 @@ class Trainer:
             return {}
         record = {"split": "validate", "step": self.step, "validate_tp": report["tp"], "gap_flag": report["gap_flag"]}
         replay = report["trainer_replay"] or {}
-        record.update({f"replay_cond_top1_{j}": a for j, a in enumerate(replay.get("cond_top1", []))})
+        record.update({f"replay_cond_top1_{j}": a for j, a in enumerate(replay.get("at_verify_steps", []))})
         for run in report["runs"]:
             t = f"T{run['temperature']:g}"
             record.update({f"tau_{t}": run["tau"], f"speedup_{t}": run["speedup"],

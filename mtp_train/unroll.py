@@ -76,8 +76,9 @@ class UnrolledHead(nn.Module):
         self.__dict__["norm_weight"] = norm_weight  # frozen target tensor: not a buffer, never saved or cast
         self.eps, self.num_steps, self.weights = eps, num_steps, weights
 
-    def forward(self, batch: PackedBatch, normalisers: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """Returns (loss, stats [num_steps, len(STATS)]: sums over trained positions)."""
+    def forward(self, batch: PackedBatch, normalisers: torch.Tensor, return_agreement: bool = False) -> tuple:
+        """Returns (loss, stats [num_steps, len(STATS)]: sums over trained positions), and with return_agreement
+        the per-step agreement [T_k] bool (the head's argmax is the target's) in unroll_plan's row order."""
         head, w = self.head, self.weights
         device = batch.input_ids.device
         target = target_distribution(batch.hidden_states, self.norm_weight, head.shared.lm_head.weight, self.eps,
@@ -86,6 +87,7 @@ class UnrolledHead(nn.Module):
         stats = torch.zeros(self.num_steps, len(STATS), device=device)
         loss = torch.zeros((), device=device)
         chain = None  # [T_k] bool: the head agreed with the target at every step so far, per anchor
+        agreement = []
         for k, (step, out) in enumerate(unrolled_steps(head, batch, self.num_steps)):
             token_weight = batch.loss_mask[step.token_index].float()
             scale = w.step_decay**k / normalisers[k].clamp(min=1)
@@ -100,7 +102,8 @@ class UnrolledHead(nn.Module):
             loss = loss + scale * (kl_ce + w.feature * feat if w.feature != 0 else kl_ce)
             chained = torch.stack((reached.sum(), (reached & agree).sum())).float()
             stats[k] = torch.cat((step_stats, chained, feat.detach()[None]))
-        return loss, stats
+            agreement.append(agree)
+        return (loss, stats, agreement) if return_agreement else (loss, stats)
 
 
 def per_step_means(sums: torch.Tensor, counts: torch.Tensor) -> dict:

@@ -45,7 +45,7 @@ from infer.speedup import (
     COST_CONTEXT, Comparison, StepOverhead, compare, costs_engine, ideal_speedup, recommend_k_by_batch,
     timed_generate,
 )
-from mtp_train.data import PackedBatch, step_token_counts
+from mtp_train.data import PackedBatch, step_token_counts, unroll_plan
 from mtp_train.unroll import LossWeights, UnrolledHead, per_step_means
 
 GAP_POINTS = 0.02  # trainer conditional top-1 vs runtime greedy conditional acceptance, per position
@@ -74,14 +74,22 @@ def target_features(model: nn.Module, token_ids: list[list[int]], aux_layers: tu
 @torch.no_grad()
 def trainer_replay(model: nn.Module, head: DraftHead, sequences: list[list[int]], prompt_lens: list[int],
                    k: int) -> dict:
-    """The trainer's per-step figures (mtp_train.trainer.per_step_means) on `sequences`, counting the positions
-    whose fed token is generated (index >= its prompt's length): what training reports, on the runtime's text."""
+    """The trainer's figures on `sequences` (the plain engine's greedy outputs), from its own forward (UnrolledHead):
+
+    top1 / cond_top1   per step over every anchor whose fed token is generated (per_step_means: what training
+                       reports), teacher-forced / where the earlier steps agreed too;
+    at_verify_steps    conditional top-1 at the anchors the greedy runtime verifies from: the first after the
+                       prompt, then each one accepted drafts + 1 further. On a greedy text an accepted chain feeds the
+                       drafter what the trainer feeds, so this is the runtime's conditional acceptance recomputed by
+                       the trainer (drafts past the text's end are not counted)."""
     out = target_features(model, sequences, head.target_aux_layers)
     aux = (torch.stack([out.aux_hidden_states[i] for i in head.target_aux_layers], dim=1)
            if head.target_aux_layers else None)
-    mask = torch.cat([torch.arange(len(seq)) >= n for seq, n in zip(sequences, prompt_lens)]).to(out.hidden_states.device)
-    batch = PackedBatch(torch.tensor([t for seq in sequences for t in seq], device=mask.device), out.hidden_states,
-                        mask, [len(seq) for seq in sequences], list(range(len(sequences))), aux)
+    device = out.hidden_states.device
+    mask = torch.cat([torch.arange(len(seq)) >= n for seq, n in zip(sequences, prompt_lens)]).to(device)
+    lens = [len(seq) for seq in sequences]
+    batch = PackedBatch(torch.tensor([t for seq in sequences for t in seq], device=device), out.hidden_states, mask,
+                        lens, list(range(len(sequences))), aux)
     counts = step_token_counts(batch, k)
     shared = head.shared
     if group_of(model).size > 1:  # the loss scores whole lm_head rows: gather the vocabulary shards (every rank)
@@ -90,22 +98,39 @@ def trainer_replay(model: nn.Module, head: DraftHead, sequences: list[list[int]]
         head.shared = dataclasses.replace(shared, lm_head=lm_head)
     try:
         objective = UnrolledHead(head, model.model.norm.weight, float(model.config.rms_norm_eps), k, LossWeights())
-        _, stats = objective(batch, counts.to(mask.device))
+        _, stats, agreement = objective(batch, counts.to(device), return_agreement=True)
     finally:
         head.shared = shared
     means = per_step_means(stats.cpu(), counts)
+    per_record: list[list[list[bool]]] = [[[] for _ in range(k)] for _ in sequences]  # [record][step][anchor]
+    for j, (step, agree) in enumerate(zip(unroll_plan(lens, k), agreement)):
+        for r, rows in zip(step.records, agree.split(step.seq_lens)):
+            per_record[r][j] = rows.tolist()
+    reached, accepted = [0] * k, [0] * k
+    for agree, length, prompt_len in zip(per_record, lens, prompt_lens):
+        anchor = prompt_len - 1
+        while anchor <= length - 2:  # step 0 at this anchor has a target inside the text
+            drafts = 0
+            while drafts < k and anchor + 1 + drafts <= length - 1:
+                reached[drafts] += 1
+                if not agree[drafts][anchor]:
+                    break
+                accepted[drafts] += 1
+                drafts += 1
+            anchor += drafts + 1
     return {"top1": [round(means[f"top1_{j}"], 4) for j in range(k)],
             "cond_top1": [round(means[f"cond_top1_{j}"], 4) for j in range(k)],
+            "at_verify_steps": [round(a / n, 4) if n else 0.0 for a, n in zip(accepted, reached)],
             "kl": [round(means[f"kl_{j}"], 4) for j in range(k)], "positions": int(counts[0]),
             "on": "the plain engine's greedy continuations of the prompts"}
 
 
 def replay_gap(replay: dict, greedy_run: dict | None, threshold: float = GAP_POINTS) -> tuple[list[float], bool]:
-    """(trainer conditional top-1 minus the runtime's greedy conditional acceptance per position, whether any is
-    more than `threshold` apart)."""
+    """(the trainer's conditional top-1 at the runtime's verify steps minus the runtime's greedy conditional
+    acceptance, per position; whether any is more than `threshold` apart)."""
     if greedy_run is None:
         return [], False
-    gaps = [round(t - r, 4) for t, r in zip(replay["cond_top1"], greedy_run["conditional_acceptance"])]
+    gaps = [round(t - r, 4) for t, r in zip(replay["at_verify_steps"], greedy_run["conditional_acceptance"])]
     return gaps, any(round(abs(g), 9) > threshold for g in gaps)  # rounding: exactly 2 points is not over
 
 
@@ -191,9 +216,10 @@ def validate_head(
     basis = greedy or runs[0] if runs else None
     gaps, flag = replay_gap(replay, greedy) if replay else ([], False)
     if flag:
-        print(f"warning: the trainer's conditional top-1 {replay['cond_top1']} and the runtime's greedy conditional "
-              f"acceptance {greedy['conditional_acceptance']} differ by more than {GAP_POINTS * 100:g} points at a "
-              "position on the same text: training and serving compute different functions", file=sys.stderr)
+        print(f"warning: the trainer's conditional top-1 {replay['at_verify_steps']} and the runtime's greedy "
+              f"conditional acceptance {greedy['conditional_acceptance']} differ by more than {GAP_POINTS * 100:g} "
+              "points at a position on the same text: training and serving compute different functions",
+              file=sys.stderr)
     param = next(model.parameters())
     return {
         "target": getattr(model.config, "_name_or_path", "") or "engine",

@@ -27,8 +27,9 @@ from infer.models.mtp_head import (
     HeadLoadError, SharedTargetWeights, head_config_for, head_module, target_digest, target_identity,
 )
 from infer.sampling_params import SamplingParams
-from mtp_train.trainer import param_groups
 from mtp_train.data import PackedBatch
+from mtp_train.draft_vocab import TokenScores, choose, coverage
+from mtp_train.trainer import param_groups
 from mtp_train.unroll import LossWeights, UnrolledHead
 from tests.test_sampler import ALPHA
 from tests.test_speculative import (
@@ -113,6 +114,18 @@ def test_precompute_stores_the_layers_the_head_asks_for(stories_hf_dir, stories_
     assert layers("head=eagle3", "head.layer_ids=[2,3,4]", "precompute.aux_layers=[0]") == [0, 1, 2, 3]
     with pytest.raises(DataError, match="head.layer_ids"):
         layers("head=eagle3", "head.layer_ids=[0,1,2]")
+
+
+def test_draft_vocabulary_rules_and_the_mass_they_cover():
+    """Probability picks the ids the target puts mass on; frequency the ids sampled most, which differ when the
+    data is not the target's own samples."""
+    scores = TokenScores(mass=torch.tensor([5.0, 3.0, 2.0, 0.0], dtype=torch.float64),
+                         count=torch.tensor([1.0, 5.0, 3.0, 9.0], dtype=torch.float64), positions=10)
+    by_mass, by_count = choose(scores, 2, "probability"), choose(scores, 2, "frequency")
+    assert by_mass.tolist() == [0, 1] and by_count.tolist() == [1, 3]
+    assert coverage(scores, by_mass) == pytest.approx(0.8) and coverage(scores, by_count) == pytest.approx(0.3)
+    with pytest.raises(ValueError, match="head.draft_vocab_rule='zipf'"):
+        choose(scores, 2, "zipf")
 
 
 # --- greedy identity and pages -------------------------------------------------------------------------------------

@@ -66,7 +66,7 @@ def test_report_structure_and_identities(report):
         assert run["tau"] == pytest.approx(1 + sum(n * c for n, c in enumerate(histogram)) / sum(histogram), abs=1e-4)
         assert run["speedup"] > 0 and run["ideal_speedup"] > 0
     replay = report["trainer_replay"]
-    assert len(replay["top1"]) == len(replay["cond_top1"]) == 3 and replay["positions"] > 0
+    assert len(replay["top1"]) == len(replay["cond_top1"]) == len(replay["at_verify_steps"]) == 3 > 0 < replay["positions"]
     assert math.isfinite(replay["kl"][0]) and replay["kl"][0] >= 0
     assert len(report["replay_gap"]) == 3 and report["gap_flag"] is False  # the trainer computes what is served
     assert report["distinct_prompts"] == report["num_prompts"] == 4
@@ -103,9 +103,9 @@ def test_conditional_acceptance_and_gap_flag():
     assert errors[0] == pytest.approx(math.sqrt(0.6 * 0.4 / 10), abs=1e-4)
     assert conditional_acceptance([5, 0, 0]) == ([0.0, 0.0], [0.0, 0.0], [5, 0])
     greedy = {"conditional_acceptance": [0.50, 0.40]}
-    assert replay_gap({"cond_top1": [0.52, 0.40]}, greedy) == ([0.02, 0.0], False)  # exactly 2 points is not over
-    assert replay_gap({"cond_top1": [0.50, 0.379]}, greedy)[1] is True  # the runtime beating the trainer counts too
-    assert replay_gap({"cond_top1": [0.5]}, None) == ([], False)
+    assert replay_gap({"at_verify_steps": [0.52, 0.40]}, greedy) == ([0.02, 0.0], False)  # exactly 2 points is not over
+    assert replay_gap({"at_verify_steps": [0.50, 0.379]}, greedy)[1] is True  # the runtime beating the trainer counts too
+    assert replay_gap({"at_verify_steps": [0.5]}, None) == ([], False)
 
 
 def test_engine_target_and_head_folder(stories_hf_dir, head_dir):
