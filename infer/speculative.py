@@ -9,7 +9,7 @@ Terms (per request):
   emitted   the accepted drafts, then one token from the target (a correction, or a bonus after K acceptances)
 
 A drafter holds its own KV tensors, indexed by the *same* page tables as the target's (one allocator, one
-scheduler), and its per-request state (`DraftState`) behind its methods. The two drafters differ in what a
+scheduler), and its per-request state (`DraftState`) behind its methods. The drafters differ in what a
 position eats:
   - `DraftModel` (a small LM): position i reads token t_i, so it runs one token ahead of the target;
   - `MTPDrafter` (an MTP head): position i reads (t_{i+1}, h_i), h_i the target's hidden state, so it catches up
