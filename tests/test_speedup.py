@@ -6,10 +6,11 @@ import json
 
 import pytest
 
-from infer.engine import ForwardCosts
+from infer.engine import Engine, EngineConfig, ForwardCosts
 from infer.models.mtp_head import read_head_config
+from infer.sampling_params import SamplingParams
 from infer.speculative import SpecStats
-from infer.speedup import StepOverhead, ideal_speedup, predicted_speedup, predicted_tau, recommend_k
+from infer.speedup import StepOverhead, compare, ideal_speedup, predicted_speedup, predicted_tau, recommend_k
 from mtp_train.export import export_head, main
 
 
@@ -80,3 +81,17 @@ def test_step_overhead_is_fitted_through_two_ks_and_predicts_the_ones_between():
         assert predicted_speedup(tau[k], costs[k], k, fitted) == pytest.approx(spec_tok_s[k] / plain_tok_s)
     flat = StepOverhead.fitted({4: (plain_tok_s, spec_tok_s[4], tau[4])}, costs, batch)
     assert flat.spec_per_draft == 0 and flat.spec_at(1) == pytest.approx(0.7e-3)
+
+
+def test_compare_counts_one_timed_runs_statistics(stories_model, stories_tokenizer):
+    """The timed repeats replay the same seeded requests: the acceptance statistics (and so their standard errors)
+    are one run's, whatever the number of repeats."""
+    config = EngineConfig(num_draft_tokens=2, backend="torch", page_size=8, num_pages=32)
+    plain, spec = (Engine(stories_model, stories_tokenizer, [2], config) for _ in range(2))
+    spec.attach_drafter("draft", stories_model)
+    prompts = [stories_tokenizer.encode("Once upon a time"), stories_tokenizer.encode("Lily had a dog")]
+    params = SamplingParams(temperature=1.0, max_new_tokens=10, ignore_eos=True, seed=3)
+    once, thrice = compare(plain, spec, prompts, params, 1).stats, compare(plain, spec, prompts, params, 3).stats
+    assert once["verify_steps"] > 0
+    assert thrice["verify_steps"] == once["verify_steps"]
+    assert thrice["conditional_acceptance_se"] == once["conditional_acceptance_se"]
