@@ -26,6 +26,7 @@ import dataclasses
 import sys
 import time
 from pathlib import Path
+from typing import NamedTuple
 
 import torch
 from torch import nn
@@ -135,6 +136,64 @@ def replay_gap(replay: dict, greedy_run: dict | None, threshold: float = GAP_POI
 
 
 # --- speculative decoding, measured ----------------------------------------------------------------------------
+@dataclasses.dataclass
+class ValidationEngines:
+    """Every engine a validation times, built up front: under tensor parallelism every rank builds them in the same
+    order. Both timed engines get just the pages the batch needs (a default engine sizes for 64 full contexts)."""
+
+    plain: Engine
+    spec: Engine  # the head attached at K
+    spec_k1: Engine | None  # at K=1: the step overhead is fitted through K and 1
+    for_costs: Engine | None  # sized for the forward costs at every batch size a K is recommended for
+
+
+def validation_engines(served: Engine, drafter: DraftHead, prompt_ids: list[list[int]], k: int, max_new_tokens: int,
+                       batch_size: int, recommend_for: tuple[int, ...]) -> ValidationEngines:
+    longest = max(max(map(len, prompt_ids)) + max_new_tokens, COST_CONTEXT) + k + 2
+    sizes = dict(num_pages=batch_size * pages_needed(longest, served.config.page_size) + 1, max_num_seqs=batch_size,
+                 num_draft_tokens=k)
+    kind = DRAFTER_KINDS[drafter.config.architecture]
+    plain, spec = served.with_config(**sizes), served.with_config(**sizes)
+    spec.attach_drafter(kind, drafter)
+    for_costs = costs_engine(spec, recommend_for) if recommend_for else None
+    spec_k1 = None
+    if recommend_for and k > 1:
+        spec_k1 = served.with_config(**{**sizes, "num_draft_tokens": 1})
+        spec_k1.attach_drafter(kind, drafter)
+    return ValidationEngines(plain, spec, spec_k1, for_costs)
+
+
+class Measured(NamedTuple):
+    runs: list[dict]  # one run_record per temperature, with its ideal speedup
+    greedy_sequences: list[list[int]] | None  # the plain engine's greedy outputs (the trainer's replay reads them)
+    recommended: dict  # recommend_k_by_batch's, {} when not asked for
+    costs: ForwardCosts
+
+
+def measure(engines: ValidationEngines, prompt_ids: list[list[int]], k: int, temperatures: tuple[float, ...],
+            max_new_tokens: int, seed: int, repeats: int, recommend_for: tuple[int, ...]) -> Measured:
+    """The timed runs (rank 0 alone under tensor parallelism: the other ranks serve its steps)."""
+    plain, spec = engines.plain, engines.spec
+    warm_up = [SamplingParams(max_new_tokens=min(max_new_tokens, k + 4), ignore_eos=True)] * len(prompt_ids)
+    timed_generate(plain, prompt_ids, warm_up)  # the batch's prefill shapes, and a few speculative steps
+    timed_generate(spec, prompt_ids, warm_up)
+    comparisons = {float(t): compare(plain, spec, prompt_ids, sampling_params(t, max_new_tokens, seed,
+                                                                              len(prompt_ids)), repeats)
+                   for t in temperatures}
+    runs = [run_record(t, max_new_tokens, result) for t, result in comparisons.items()]
+    costs = spec.forward_costs(min(plain.config.max_num_seqs, len(prompt_ids)), COST_CONTEXT)
+    for run in runs:
+        run["ideal_speedup"] = round(ideal_speedup(run["tau"], costs, k), 3)
+        run["achieved_over_ideal"] = round(run["speedup"] / run["ideal_speedup"], 3) if run["ideal_speedup"] else None
+    basis = greedy_run(runs) or runs[0] if runs else None
+    recommended = {}
+    if engines.for_costs is not None and basis:
+        overhead = step_overhead(plain, engines.spec_k1, prompt_ids, basis, comparisons[basis["temperature"]], costs)
+        recommended = recommend_k_by_batch(engines.for_costs, basis["conditional_acceptance"], recommend_for, overhead)
+    greedy = comparisons.get(0.0)
+    return Measured(runs, [r.token_ids for r in greedy.plain.requests] if greedy else None, recommended, costs)
+
+
 def validate_head(
     target: str | Path | Engine,
     head: str | Path | DraftHead,
@@ -166,52 +225,18 @@ def validate_head(
     model = served.model
     drafter = serving_head(head, model)
     prompt_ids = tokenize_prompts(served, prompts if prompts is not None else VALIDATION_PROMPTS)
-
-    # Both engines get just the pages this batch needs (a default engine sizes for 64 full contexts). Every engine
-    # is built here, before the measurement: under tensor parallelism every rank builds them in the same order.
-    longest = max(max(map(len, prompt_ids)) + max_new_tokens, COST_CONTEXT) + k + 2
-    sizes = dict(num_pages=batch_size * pages_needed(longest, served.config.page_size) + 1, max_num_seqs=batch_size,
-                 num_draft_tokens=k)
-    kind = DRAFTER_KINDS[drafter.config.architecture]
-    plain, spec = served.with_config(**sizes), served.with_config(**sizes)
-    spec.attach_drafter(kind, drafter)
-    for_costs = costs_engine(spec, recommend_for) if recommend_for else None
-    spec_k1 = None  # the step overhead is fitted through K and 1
-    if recommend_for and k > 1:
-        spec_k1 = served.with_config(**{**sizes, "num_draft_tokens": 1})
-        spec_k1.attach_drafter(kind, drafter)
+    engines = validation_engines(served, drafter, prompt_ids, k, max_new_tokens, batch_size, recommend_for)
     tp = group_of(model)
-
-    def measure() -> tuple[list[dict], list[list[int]] | None, dict, ForwardCosts]:
-        """The timed runs (rank 0 alone under tensor parallelism: the other ranks serve its steps)."""
-        warm_up = [SamplingParams(max_new_tokens=min(max_new_tokens, k + 4), ignore_eos=True)] * len(prompt_ids)
-        timed_generate(plain, prompt_ids, warm_up)  # the batch's prefill shapes, and a few speculative steps
-        timed_generate(spec, prompt_ids, warm_up)
-        comparisons = {float(t): compare(plain, spec, prompt_ids, sampling_params(t, max_new_tokens, seed,
-                                                                                  len(prompt_ids)), repeats)
-                       for t in temperatures}
-        runs = [run_record(t, max_new_tokens, result) for t, result in comparisons.items()]
-        costs = spec.forward_costs(min(batch_size, len(prompt_ids)), COST_CONTEXT)
-        for run in runs:
-            run["ideal_speedup"] = round(ideal_speedup(run["tau"], costs, k), 3)
-            run["achieved_over_ideal"] = round(run["speedup"] / run["ideal_speedup"], 3) if run["ideal_speedup"] else None
-        basis = greedy_run(runs) or runs[0] if runs else None
-        recommended = {}
-        if for_costs is not None and basis:
-            overhead = step_overhead(plain, spec_k1, prompt_ids, basis, comparisons[basis["temperature"]], costs)
-            recommended = recommend_k_by_batch(for_costs, basis["conditional_acceptance"], recommend_for, overhead)
-        greedy = comparisons.get(0.0)
-        return runs, [r.token_ids for r in greedy.plain.requests] if greedy else None, recommended, costs
-
-    measured = on_rank0(measure, tp)
+    measured = on_rank0(lambda: measure(engines, prompt_ids, k, temperatures, max_new_tokens, seed, repeats,
+                                        recommend_for), tp)
     # The trainer's replay runs the target and the head directly: under tensor parallelism every rank runs it on
     # rank 0's greedy sequences.
-    greedy_sequences = tp.broadcast_object(measured[1] if measured else None)
+    greedy_sequences = tp.broadcast_object(measured.greedy_sequences if measured else None)
     replay = (trainer_replay(model, drafter, greedy_sequences, [len(p) for p in prompt_ids], k)
               if greedy_sequences is not None else None)
     if measured is None:  # a rank > 0: rank 0 reports
         return None
-    runs, _, recommended, costs = measured
+    runs, costs, recommended = measured.runs, measured.costs, measured.recommended
     greedy = greedy_run(runs)
     basis = greedy or runs[0] if runs else None
     gaps, flag = replay_gap(replay, greedy) if replay else ([], False)
