@@ -70,7 +70,7 @@ HEADER_BYTES = 1024  # per-shard safetensors header, before the records' sources
 # --- configuration ------------------------------------------------------------------------------------
 def chat_format(data_cfg: DictConfig, tokenizer) -> ChatFormat:
     return ChatFormat(tokenizer, chat_template=data_cfg.chat_template, end_token=data_cfg.end_token,
-                      max_length=int(data_cfg.max_length), truncate=bool(data_cfg.truncate))
+                      max_length=data_cfg.max_length, truncate=data_cfg.truncate)
 
 
 def load_records(data_cfg: DictConfig, tokenizer, progress: bool) -> tuple[list[TokenizedRecord], LoadReport]:
@@ -319,10 +319,10 @@ def _validate(cfg: DictConfig, model_config) -> tuple[torch.dtype, torch.dtype, 
 def run(cfg: DictConfig) -> dict | None:
     """The whole precompute; returns the manifest on rank 0 (None on other ranks and for a dry run)."""
     pc = cfg.precompute
-    tp = init_tp(int(pc.tp), pc.device, replicas=True, option=f"precompute.tp={pc.tp}")  # this rank's replica
+    tp = init_tp(pc.tp, pc.device, replicas=True, option=f"precompute.tp={pc.tp}")  # this rank's replica
     rank, world = tp.global_rank, tp.size * tp.replicas
     log = (lambda msg: print(msg, file=sys.stderr, flush=True)) if rank == 0 else (lambda msg: None)
-    progress = bool(pc.progress) and rank == 0
+    progress = pc.progress and rank == 0
     model_dir, out_dir = Path(cfg.model.path), Path(cfg.output_dir)
     model_config = load_config(model_dir)
     out_dtype, model_dtype, aux_layers = _validate(cfg, model_config)
@@ -338,7 +338,7 @@ def run(cfg: DictConfig) -> dict | None:
                 "aux_layers": aux_layers}
     settings_sha = _sha256_bytes(json.dumps(settings, sort_keys=True).encode())
     check_output_dir(out_dir)
-    plans = plan_shards(records, int(pc.records_per_shard), settings_sha, out_dir, bool(pc.overwrite))
+    plans = plan_shards(records, pc.records_per_shard, settings_sha, out_dir, pc.overwrite)
 
     hidden = model_config.hidden_size
     per_token = bytes_per_token(hidden, out_dtype, len(aux_layers))
@@ -350,7 +350,7 @@ def run(cfg: DictConfig) -> dict | None:
         f"{len(pending)} of {len(plans)} shards to write, {human_bytes(needed)} with offsets and headers")
     if pc.dry_run:
         return None
-    free = check_disk(needed, out_dir, bool(pc.force))
+    free = check_disk(needed, out_dir, pc.force)
     log(f"free on disk: {human_bytes(free)}")
     _barrier(world)  # every rank has checked the folder before any rank writes to it
     out_dir.mkdir(parents=True, exist_ok=True)
@@ -360,8 +360,8 @@ def run(cfg: DictConfig) -> dict | None:
         model = load_model(model_dir, dtype=model_dtype, device=tp.device)
         longest = max(len(r) for p in mine for r in p.records)
         extractor = FeatureExtractor(
-            model, out_dtype, aux_layers, max(int(pc.max_tokens_per_batch), longest), int(pc.max_records_per_batch),
-            int(pc.page_size), pc.attention_backend,
+            model, out_dtype, aux_layers, max(pc.max_tokens_per_batch, longest), pc.max_records_per_batch,
+            pc.page_size, pc.attention_backend,
         )
         on_rank0(functools.partial(write_shards, extractor, mine, out_dir, progress), tp)
 
