@@ -46,13 +46,13 @@ DIST_N = 3000
 
 # --- helpers shared with tests/test_ttt.py and tests/test_mtp_head.py -----------------------------------------------
 def eagle3_head(model, draft_vocab: int | None = None, trainable_lm_head: bool = False,
-                draft_ids: Tensor | None = None) -> Eagle3Head:
+                draft_ids: Tensor | None = None, layer_ids: list[int] | None = None) -> Eagle3Head:
     """An untrained EAGLE-3 head on stories260K (init_eagle3_from_target); with a draft vocabulary of `draft_ids`, or
     of the `draft_vocab` ids the target gives most probability on a fixed random context."""
     identity = target_identity("stories260K", model.config, target_digest(model))
     size = draft_vocab if draft_ids is None else draft_ids.numel()
     config = head_config_for(model.config, identity, "eagle3", draft_vocab_size=size,
-                             trainable_lm_head=trainable_lm_head)
+                             trainable_lm_head=trainable_lm_head, layer_ids=layer_ids)
     head = head_module(config).attach(SharedTargetWeights(model.model.embed_tokens, model.lm_head))
     init_eagle3_from_target(head, model)
     if size is not None:
@@ -95,8 +95,12 @@ def test_layer_ids_follow_the_stated_rule(stories_model):
     with pytest.raises(HeadLoadError, match="3 distinct target layers"):
         default_layer_ids(3)
     identity = {"name": "stories260K"}
-    with pytest.raises(HeadLoadError, match=r"head.layer_ids=\[1, 2, 5\]"):
-        head_config_for(stories_model.config, identity, "eagle3", layer_ids=[1, 2, 5])  # 5 is not below L = 5
+    with pytest.raises(HeadLoadError, match=r"head.layer_ids=\[1, 2, 6\]"):
+        head_config_for(stories_model.config, identity, "eagle3", layer_ids=[1, 2, 6])  # past the last layer's output
+    with pytest.raises(HeadLoadError, match=r"head.layer_ids=\[0, 2, 4\]"):
+        head_config_for(stories_model.config, identity, "eagle3", layer_ids=[0, 2, 4])  # the embedding is not fused
+    final = head_config_for(stories_model.config, identity, "eagle3", layer_ids=[1, 3, 5])  # 5: the last output
+    assert final.aux_layer_ids == [1, 3, 5]
     with pytest.raises(HeadLoadError, match="draft_vocab_size=600"):
         head_config_for(stories_model.config, identity, "eagle3", draft_vocab_size=600)
     with pytest.raises(HeadLoadError, match="EAGLE-3 options"):
@@ -166,6 +170,26 @@ def test_greedy_identical_to_no_speculation_and_pages_return(greedy_runs, storie
         assert run.preempted_after_speculating > 0
     if config == "chunked":
         assert run.verify_steps_at_arrivals and run.verify_steps_at_arrivals[0] > 0
+
+
+def test_a_head_fusing_the_last_layers_output_is_served_with_it(stories_model, stories_tokenizer, workloads):  # noqa: F811
+    """Id L (the last layer's output before the final norm, what an MTP head reads): the trainer and the verify
+    forward read it as aux layer L - 1, and greedy speculation stays the target's."""
+    head = eagle3_head(stories_model, layer_ids=[1, 3, 5])
+    assert head.target_aux_layers == (0, 2, 4)
+    head, batch = fit_to_text(head, stories_model, stories_tokenizer.encode(STORY), steps=25)
+    torch.testing.assert_close(batch.aux_hidden_states[:, 2], batch.hidden_states, rtol=0, atol=0)
+    setting = CONFIGS["default"]
+    runs = []
+    for drafter in (None, head):
+        engine = Engine(stories_model, stories_tokenizer, [2], EngineConfig(num_draft_tokens=3, backend="torch",
+                                                                            **setting["engine"]))
+        if drafter is not None:
+            engine.attach_drafter("eagle3", drafter)
+        runs.append(drive(engine, *workloads[setting["workload"]]))
+    assert runs[1].spec["verify_steps"] > 0 and runs[1].spec["acceptance_per_position"][0] > 0.2
+    assert_greedy_identical(stories_model, workloads[setting["workload"]][0], runs[0], runs[1])
+    assert runs[1].free_at_end == runs[1].num_pages
 
 
 # --- lossless sampling with a draft vocabulary --------------------------------------------------------------------

@@ -13,9 +13,11 @@ way (mtp_train.ttt). Emb is the target's, frozen and shared; the decoder layer i
 
 Layer ids: id i is the residual stream entering decoder layer i, i.e. transformers' `hidden_states[i]`, i.e.
 infer's aux output of decoder layer i - 1 (`ModelOutput.aux_hidden_states[i - 1]`, stored by the precompute as
-`aux_hidden_states.{i - 1}`); ids lie in 1..L-1. The default is (2, L//2, L-3), the layers vLLM and SGLang
+`aux_hidden_states.{i - 1}`); ids lie in 1..L. The default is (2, L//2, L-3), the layers vLLM and SGLang
 capture. Where those are not strictly increasing (L < 7; stories260K has 5 layers) the rule is (1, L//2, L-1):
 the first layer's output, the middle one, and the stream entering the last layer. Fewer than 4 layers is refused.
+Id L, the last layer's output before the final norm (what an MTP head reads), is served by this runtime only:
+vLLM and SGLang capture streams entering layers 0..L-1, so the eagle3 and speculators exports refuse it.
 
 Draft vocabulary, as in EAGLE-3's checkpoints: `d2t` [Vd] int64 offsets (target id = draft id + d2t[draft id]) and
 `t2d` [V] bool (whether a target id is drafted); mtp_train.draft_vocab chooses it. The head scores the target's own
@@ -56,9 +58,10 @@ def default_layer_ids(num_layers: int) -> list[int]:
 
 def check_layer_ids(ids: list[int], num_layers: int) -> list[int]:
     ids = [int(i) for i in ids]
-    if len(ids) != NUM_FUSED_LAYERS or len(set(ids)) != NUM_FUSED_LAYERS or not all(0 < i < num_layers for i in ids):
-        raise HeadLoadError(f"head.layer_ids={ids}: EAGLE-3 fuses 3 distinct target layer ids in 1..{num_layers - 1} "
-                            "(id i = the residual stream entering decoder layer i)")
+    if len(ids) != NUM_FUSED_LAYERS or len(set(ids)) != NUM_FUSED_LAYERS or not all(0 < i <= num_layers for i in ids):
+        raise HeadLoadError(f"head.layer_ids={ids}: EAGLE-3 fuses 3 distinct target layer ids in 1..{num_layers} "
+                            f"(id i = the residual stream entering decoder layer i; {num_layers}: the last layer's "
+                            "output)")
     return ids
 
 
