@@ -426,7 +426,8 @@ def test_help_names_each_format_with_its_engine_and_the_runtime_command(capsys):
     text = " ".join(capsys.readouterr().out.split())
     for needle in ("runtime infer's head folder", "python -m infer.generate --model TARGET --spec mtp --draft DIR",
                    "no engine serves them", "SGLang LlamaForCausalLMEagle", "vLLM EagleLlamaForCausalLM",
-                   "SGLang DeepseekV3ForCausalLMNextN", "speculators 0.9.0", "docs/engine_loaders.md"):
+                   "SGLang DeepseekV3ForCausalLMNextN", "SGLang LlamaForCausalLMEagle3", "vLLM's speculators format",
+                   "speculators 0.9.0 package's Eagle3DraftModel", "needs --target", "docs/engine_loaders.md"):
         assert needle in text, needle
 
 
