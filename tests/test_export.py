@@ -5,13 +5,15 @@ loader table (mtp_train.engine_loaders).
   parameter perturbed so that a misplaced row changes the logits; through the engine the reloaded head drafts
   exactly what the original does.
 - A head goes only where the engine feeds it what it was trained on and builds its function: eagle takes post-norm,
-  norm-free, unbiased Llama heads; sglang-nextn post-norm DeepSeek-V2 heads with the target's MoE; everything else is
-  refused with the reason (MTP heads of Llama targets are told the runtime command that serves them).
+  norm-free, unbiased Llama heads; sglang-nextn post-norm DeepSeek-V2 heads with the target's MoE; eagle3 and
+  speculators EAGLE-3 heads (with the target's lm_head rows when shared); everything else is refused with the reason
+  (MTP heads of Llama targets are told the runtime command that serves them).
 - Each export matches, name by name and shape by shape, what every loader of its format reads (and a tampered one
-  does not); the EAGLE-3 writers (generic state dicts) match theirs; every config carries the target's
-  max_position_embeddings, rope settings and vocabulary size.
+  does not); every config carries the target's max_position_embeddings, rope settings and vocabulary size.
 - Names mean what they say: the untrained EAGLE head under EAGLE names is the checkpoint's own model.layers.4.*;
-  eh_proj is [embedding | hidden]. No embedding or lm_head tensor leaves; writes replace the folder atomically.
+  eh_proj is [embedding | hidden]; an EAGLE-3 head's fused projections split into the engines' q/k/v and gate/up,
+  its fc blocks in layer order. No embedding leaves, nor an lm_head but EAGLE-3's; writes replace the folder
+  atomically.
 """
 
 from __future__ import annotations
