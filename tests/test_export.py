@@ -42,6 +42,7 @@ from infer.models.mtp_head import (
 from infer.sampling_params import SamplingParams
 from mtp_train.engine_loaders import LOADERS, check, engine_layer_ids, loaders
 from mtp_train.export import ExportError, export_head, load_export, main
+from mtp_train.heads import init_random
 
 pytestmark = pytest.mark.usefixtures("one_torch_thread")
 
@@ -89,10 +90,13 @@ def dsv2_model(dsv2_dir):
 
 
 def dsv2_head(model, **changes) -> MTPHead:
-    """The NextN-shaped head of the tiny DeepSeek target: MLA + the target's MoE, post-norm inputs."""
+    """The NextN-shaped head of the tiny DeepSeek target: MLA + the target's MoE, post-norm inputs (drawn first: the
+    router is built uninitialised, and a NaN there never equals itself)."""
     identity = {"name": "tiny-dsv2", "hidden_size": 32, "vocab_size": 512}
     config = head_config_for(model.config, identity, "mtp", **{"hidden_state": "post_norm", "mlp": "moe", **changes})
-    return perturb(MTPHead(config), seed=1).attach(shared_weights(model))
+    head = MTPHead(config)
+    init_random(head, 0.02)
+    return perturb(head, seed=1).attach(shared_weights(model))
 
 
 @pytest.fixture(scope="module")
