@@ -4,10 +4,10 @@ A perturbed EAGLE-3 head on stories260K (a 128-id draft vocabulary, layer ids ou
 EAGLE-3 formats. The package loads the `speculators` export with SpeculatorModel.from_pretrained, and converts the
 `eagle3` export with its own EAGLE-3 converter first; each is fed the token ids and the target's aux states as
 vLLM captures them (the three layers' pre-norm outputs from infer's Llama, concatenated in layer order) and runs
-its own forward for two TTT steps. Its draft-vocabulary logits must equal the head's (step 0 and the head's step 1,
-mtp_train.unroll) within 1e-5 in fp32, its d2t must map draft ids to the same target ids, and the broken controls
-(the states of the next layers, an off-by-one layer id; the layers in reverse order) must miss by far. `pytest -rP`
-shows the measured differences.
+its own forward for two TTT steps, in fp32 and fp64. Its draft-vocabulary logits must equal the head's (step 0 and
+the head's step 1, mtp_train.unroll) within 1e-5 (of the logits' scale in fp32, see `tolerance`), its d2t must map
+draft ids to the same target ids, and the broken controls (the states of the next layers, an off-by-one layer id;
+the layers in reverse order) must miss by far. `pytest -rP` shows the measured differences.
 """
 
 from __future__ import annotations
