@@ -54,7 +54,6 @@ from infer.models.mtp_head import (
     HEAD_FILES,
     DraftHead,
     HeadLoadError,
-    MTPHead,
     MTPHeadConfig,
     attach_to_target,
     check_target,
@@ -367,7 +366,7 @@ def recommended_k_from_report(report: Path) -> dict[str, int]:
 
 def export_head(head: str | Path | DraftHead, fmt: str, out: str | Path, target: str | Path | None = None,
                 overwrite: bool = False, report: Path | None = None) -> Path:
-    """Write `head` (a folder or an in-memory MTPHead) in format `fmt` to `out`.
+    """Write `head` (a folder or an in-memory head) in format `fmt` to `out`.
 
     target: the target's folder; when given the head is checked against it (HeadLoadError on a mismatch) and its
     path is recorded in config.json. A non-empty `out` is replaced only with overwrite=True, and only when it holds

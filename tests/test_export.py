@@ -36,7 +36,7 @@ from infer.models.llama import LlamaForCausalLM
 from infer.loader import load_model
 from infer.models.eagle3_head import Eagle3Head, init_eagle3_from_target
 from infer.models.mtp_head import (
-    HeadLoadError, MTPHead, MTPHeadConfig, head_config_for, head_module, init_head_from_target, read_head, save_head,
+    HeadLoadError, MTPHead, head_config_for, head_module, init_head_from_target, read_head, save_head,
     shared_weights, target_digest, target_identity,
 )
 from infer.sampling_params import SamplingParams
