@@ -60,8 +60,9 @@ for head in $HEADS; do
   stamp "validate the $head head in infer/"
   python -m mtp_train.validate --target "$MODEL" --head "$RUN/head" --run-dir "$RUN" --out "$RUN/validation" \
     --num-draft-tokens "$K" --threads "$THREADS"
-  # The runtime's own format, with the recommended K per batch size: the default heads read the target's pre-norm
-  # state, so no vLLM/SGLang layout serves them as they are (mtp_train.export --help says which head each takes).
+  # The runtime's own format, with the recommended K per batch size: the default MTP / EAGLE-1 heads read the
+  # target's pre-norm state, so no vLLM/SGLang layout serves them as they are; an EAGLE-3 head also exports as
+  # eagle3 / speculators (mtp_train.export --help says which head each format takes).
   python -m mtp_train.export --head "$RUN/head" --format runtime --out "$RUN/export-runtime" --target "$MODEL" \
     --report "$RUN/validation/report.json" --overwrite
 done

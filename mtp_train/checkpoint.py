@@ -8,7 +8,8 @@ are never in it (they are not parameters of the trained module).
 features' identity, seed, batch layout (micro batch, sequence length, accumulation, world size), held-out records,
 head and loss config. It is written (atomically) before DeepSpeed writes the tag, and `resume` reads and compares it
 before DeepSpeed unpickles anything: a folder received from someone else, or a run changed since, is refused with
-the field named, unless the override `trainer.resume_ignore_mismatch=true` says to continue anyway. DeepSpeed's
+the field named, unless the override `trainer.resume_ignore_mismatch=true` says to continue anyway. Head config
+fields added since a checkpoint was written are no mismatch while this run holds their defaults (`comparable`). DeepSpeed's
 shards are torch pickles; they are loaded only after that check, and then with torch.load(weights_only=True)
 (mtp_train.distributed), so a planted file cannot run code.
 """
@@ -19,6 +20,7 @@ import json
 import pickle
 from pathlib import Path
 
+from infer.models.mtp_head import config_identity
 from mtp_train.distributed import ZeroHead
 
 RUN_FILE = "run.json"
@@ -72,6 +74,15 @@ def mismatches(saved: dict, mine: dict, prefix: str = "") -> list[str]:
     return out
 
 
+def comparable(identity: dict) -> dict:
+    """An identity as resume compares it: the head config as what decides the head's function
+    (infer.models.mtp_head.config_identity), so fields added since the checkpoint was written, holding their
+    defaults, are no mismatch."""
+    if not isinstance(identity.get("head"), dict):
+        return identity
+    return {**identity, "head": config_identity(identity["head"])}
+
+
 def resume(zero_head: ZeroHead, checkpoint_dir: str | Path, identity: dict, ignore_mismatch: bool) -> int:
     """Load checkpoint_dir/latest when there is one; returns the step count to continue from (0 without)."""
     found = latest_identity(checkpoint_dir)
@@ -81,7 +92,7 @@ def resume(zero_head: ZeroHead, checkpoint_dir: str | Path, identity: dict, igno
     step = saved.pop("step", None)
     if not isinstance(step, int):
         raise ResumeError(f"{run_file}: no step count")
-    differences = mismatches(saved, identity)
+    differences = mismatches(comparable(saved), comparable(identity))
     if differences and not ignore_mismatch:
         raise ResumeError(f"{run_file}: this run differs from the checkpoint's ({'; '.join(differences[:3])}); "
                           "set trainer.resume_ignore_mismatch=true to continue anyway, or use another output_dir")

@@ -146,6 +146,7 @@ SGLANG_SPARSE = "sgl-project/sglang python/sglang/srt/models/deepseek_v2.py Deep
 SGLANG_EAGLE3 = "sgl-project/sglang python/sglang/srt/models/llama_eagle3.py @ d737979cbd17c6162f39c1953cfa72d3d23cc0d0"
 SGLANG_AUX = "sgl-project/sglang python/sglang/srt/models/llama.py set_eagle3_layers_to_capture (stored version)"
 SPECULATORS = "speculators 0.9.0 wheel (PyPI): speculators/config.py, speculators/models/eagle3/{config,core}.py"
+SPECULATORS_CONVERTER = "speculators 0.9.0 wheel (PyPI): speculators/convert/eagle/eagle3_converter.py"
 
 LOADERS: tuple[Loader, ...] = (
     Loader("eagle", "sglang", "LlamaForCausalLMEagle", (SGLANG_EAGLE,), "stored versions to 2025",
@@ -203,6 +204,19 @@ LOADERS: tuple[Loader, ...] = (
                      "output); default [2, L//2, L-3] captured before those layers",
            defaults={"draft_vocab_size": "vocab_size; lm_head then loaded from the target",
                      "d2t": "hot_token_id = d2t + arange", "t2d": "ignored", "fc bias": "config 'bias', false"}),
+    Loader("eagle3", "speculators", "Eagle3Converter (convert_model algorithm eagle3)", (SPECULATORS_CONVERTER,),
+           "0.9.0",
+           "(converts to the speculators format, which vLLM serves: pass eagle_aux_hidden_state_layer_ids and "
+           "norm_before_residual)",
+           {"hidden_size": None, "intermediate_size": None, "num_attention_heads": None, "num_key_value_heads": None,
+            "head_dim": None, "rms_norm_eps": None, "max_position_embeddings": None, "rope_theta": None,
+            "draft_vocab_size": None, "target_hidden_size": None},
+           lambda c: _eagle3("midlayer", c), _eagle3_vocab, feeds="aux",
+           layer_ids="not read from config.json: the eagle_aux_hidden_state_layer_ids argument, vLLM's convention "
+                     "(default [2, L//2, L-3])",
+           defaults={"rms_norm_eps": "1e-6 when missing", "norm_before_residual": "the argument, false",
+                     "max_position_embeddings": "the larger of the draft's and the verifier's",
+                     "midlayer.*": "renamed layers.0.*", "t2d": "gives the target vocabulary size"}),
     Loader("speculators", "vllm", "Eagle3LlamaForCausalLM (via SpeculatorsConfig)", (*VLLM_SPECULATORS, VLLM_EAGLE3,
            VLLM_LLAMA_AUX), "stored versions to 2025",
            "vllm serve TARGET --speculative-config '{\"model\": \"DIR\", \"num_speculative_tokens\": 3}' "
@@ -220,8 +234,11 @@ LOADERS: tuple[Loader, ...] = (
             "transformer_layer_config": None, "draft_vocab_size": None},
            _speculators_eagle3, _speculators_vocab, feeds="aux",
            layer_ids="as vLLM",
-           defaults={"embed_tokens": "loaded from speculators_config.verifier.name_or_path",
-                     "norm_before_residual": "false"}),
+           defaults={"embed_tokens": "loaded from speculators_config.verifier.name_or_path where the table holds a "
+                                     "NaN: on transformers 5 the table is uninitialised memory, so by chance",
+                     "norm_before_residual": "false", "d2t, t2d": "no buffers (dropped) when draft_vocab_size is "
+                                                                  "the verifier's vocab_size",
+                     "draft positions": "1 + arange in training (rope is relative: the same logits as vLLM's i)"}),
 )
 
 

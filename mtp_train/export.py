@@ -1,25 +1,32 @@
-"""Export a head for vLLM or SGLang, and read every export back into infer's MTPHead.
+"""Export a head for vLLM or SGLang, and read every export back into the runtime's head.
 
-    python -m mtp_train.export --head DIR --format {runtime,eagle,sglang-nextn} --out DIR [--target DIR] [--overwrite]
+    python -m mtp_train.export --head DIR --format FORMAT --out DIR [--target DIR] [--overwrite] [--report FILE]
 
-Every format is a folder with config.json and model.safetensors, written atomically, holding no embedding or
-lm_head tensor (those are the target's). Each config.json names the target, carries the head's MTPHeadConfig
-("mtp_head") and the target's max_position_embeddings, rope settings and vocab_size, so `load_export(dir, target)`
-rebuilds the same function and refuses a target it was not trained for. A head is exported only where the engine
-feeds it the hidden state it was trained on and builds the function it computes; otherwise ExportError says why.
+Every format is a folder with config.json and model.safetensors, written atomically, holding no embedding (the
+target's). Each config.json names the target, carries the head's MTPHeadConfig ("mtp_head") and the target's
+max_position_embeddings, rope settings and vocab_size, so `load_export(dir, target)` rebuilds the same function and
+refuses a target it was not trained for. A head is exported only where the engine feeds it the hidden state it was
+trained on and builds the function it computes; otherwise ExportError says why.
 
-  runtime       infer's head folder (`save_head`); served here: python -m infer.generate --model TARGET --spec mtp
-                --draft DIR. The only path for MTP heads of Llama targets: no engine serves them (SGLang's NextN
-                builds DeepSeek layers, vLLM's MTP classes are per architecture).
+  runtime       infer's head folder (`save_head`), any head; served here: python -m infer.generate --model TARGET
+                --spec mtp --draft DIR (MTP, EAGLE-1 and EAGLE-3 heads). The only path for MTP heads of Llama
+                targets: no engine serves them (SGLang's NextN builds DeepSeek layers, vLLM's MTP classes are per
+                architecture).
   eagle         EAGLE-1/2 (fc + layers.0): SGLang LlamaForCausalLMEagle (--speculative-algorithm EAGLE) and vLLM
                 EagleLlamaForCausalLM (method "eagle"). Heads with head.hidden_state=post_norm, no norms, no
                 projection bias, Llama decoders (conf head=eagle1 with head.proj_bias=false).
   sglang-nextn  DeepSeek NextN (model.layers.0): SGLang DeepseekV3ForCausalLMNextN (--speculative-algorithm NEXTN).
                 DeepSeek-V2 heads with head.mlp=moe and head.hidden_state=post_norm.
-  prepared for EAGLE-3 heads (functions over a generic state dict; no CLI format until infer has such a head):
-  eagle3        write_eagle3: SafeAILab/SGLang layout (midlayer), SGLang LlamaForCausalLMEagle3
-  speculators   write_speculators: vLLM's speculators config (speculators_model_type eagle3), vLLM >= the
-                version with vllm/transformers_utils/configs/speculators, and the speculators 0.9.0 package
+  eagle3        EAGLE-3 heads (head=eagle3), SafeAILab / SGLang layout (fc, midlayer, norm, lm_head, d2t, t2d):
+                SGLang LlamaForCausalLMEagle3 (--speculative-algorithm EAGLE3); the speculators 0.9.0 converter
+                reads it. Aux layer ids in SGLang's convention (this project's aux layers, layer outputs).
+  speculators   EAGLE-3 heads in vLLM's speculators format (speculators_model_type eagle3, layers.0): vLLM
+                (vllm serve TARGET --speculative-config '{"model": "DIR", ...}', versions with
+                vllm/transformers_utils/configs/speculators) and the speculators 0.9.0 package's Eagle3DraftModel.
+                Aux layer ids in vLLM's convention (the input of layer i).
+  Both EAGLE-3 formats hold lm_head.weight [draft vocab, H]: a head sharing the target's lm_head needs --target,
+  whose rows at the draft ids are written; the aux layers are written in ascending order (the engines concatenate
+  the captured states in layer order), fc's column blocks permuted to match.
 The versions and commits each rule was read from: docs/engine_loaders.md (mtp_train/engine_loaders.py checks
 them); layouts and conventions: docs/export_formats.md.
 --out must be a new or empty folder, or (with --overwrite) hold an earlier export and nothing else.
@@ -36,7 +43,7 @@ from pathlib import Path
 import torch
 from safetensors.torch import load_file, save_file
 from torch import nn
-from transformers import LlamaConfig, PretrainedConfig
+from transformers import PretrainedConfig
 
 from infer.atomic_io import atomic_folder
 from infer.cli import CliError, run_cli
@@ -47,18 +54,19 @@ from infer.models.mtp_head import (
     HEAD_FILES,
     DraftHead,
     HeadLoadError,
-    MTPHead,
     MTPHeadConfig,
     attach_to_target,
     check_target,
     copy_head,
+    head_module,
     load_head,
     load_weights,
     read_head,
     save_head,
 )
 
-FORMATS = ("runtime", "eagle", "sglang-nextn")  # what the CLI writes from an MTP head
+FORMATS = ("runtime", "eagle", "sglang-nextn", "eagle3", "speculators")
+EAGLE3_FORMATS = ("eagle3", "speculators")  # an EAGLE-3 head's, besides runtime
 EXPORT_VERSION = 2
 HIDDEN_STATES = {"pre_norm": "target's last decoder layer output, before the final norm",
                  "post_norm": "target's last decoder layer output, after the final norm"}
@@ -70,8 +78,9 @@ MODULE_NAMES = {
                      "layer": NEXTN_PREFIX},
     "eagle": {"eh_proj": "fc", "layer": "layers.0"},
 }
-# A generic EAGLE-3 state dict (fc, layer.*, norm, lm_head, d2t, t2d; see eagle3_tensors) -> each layout's layer name
+# An EAGLE-3 head's generic state dict (fc, layer.*, norm, lm_head, d2t, t2d; see eagle3_state) -> each layout's layer
 EAGLE3_LAYER = {"eagle3": "midlayer", "speculators": "layers.0"}
+EAGLE3_VERIFIER = ["LlamaForCausalLM"]  # EAGLE-3 heads are built for Llama targets only (eagle3_config_fields)
 FUSED = {"self_attn.qkv_proj": ("q_proj", "k_proj", "v_proj"), "mlp.gate_up_proj": ("gate_proj", "up_proj")}
 
 
@@ -171,12 +180,59 @@ def from_format(
     return state
 
 
+def aux_order(config: MTPHeadConfig) -> list[int]:
+    """The positions of the head's aux layer ids in ascending order: the engines concatenate the captured states in
+    layer order (vLLM's and SGLang's Llama forwards append them as the layers run), the head in its ids' order."""
+    ids = config.aux_layer_ids
+    return sorted(range(len(ids)), key=ids.__getitem__)
+
+
+def eagle3_state(head: DraftHead) -> tuple[dict[str, torch.Tensor], list[int]]:
+    """An EAGLE-3 head -> (its generic state dict, the aux layers it reads as this project's layer outputs, ascending).
+
+    fc's column blocks follow the ascending layers; final_norm is `norm`; lm_head.weight [draft vocab, H] is the
+    head's own or, when it shares the target's, the target's rows at the draft ids (the engines read it from the
+    folder): that needs the head attached to its target."""
+    state = {name: t.detach().contiguous().cpu() for name, t in head.state_dict().items()}
+    order = aux_order(head.config)
+    blocks = state.pop("fc.weight").chunk(len(order), dim=1)
+    state["fc.weight"] = torch.cat([blocks[i] for i in order], dim=1)
+    state["norm.weight"] = state.pop("final_norm.weight")
+    if "lm_head.weight" not in state:
+        if head.shared is None:
+            raise ExportError("this EAGLE-3 head scores the target's lm_head rows, which the engines read from the "
+                              "export's lm_head.weight: pass --target")
+        state["lm_head.weight"] = head.lm_head_weight().detach().contiguous().cpu()
+    return state, [head.config.aux_layer_ids[i] - 1 for i in order]
+
+
+def from_eagle3(tensors: dict[str, torch.Tensor], config: MTPHeadConfig, fmt: str,
+                source: Path) -> tuple[dict[str, torch.Tensor], torch.Tensor]:
+    """Inverse of eagle3_tensors(eagle3_state(head)): (the head's state dict without a shared lm_head, lm_head.weight
+    as written)."""
+    prefix = EAGLE3_LAYER[fmt] + "."
+    tensors = dict(tensors)
+    missing = [name for name in ("fc.weight", "norm.weight", "lm_head.weight") if name not in tensors]
+    if missing:
+        raise HeadLoadError(f"{source}: {missing[0]} is missing from this {fmt} export")
+    layer = {k.removeprefix(prefix): tensors.pop(k) for k in list(tensors) if k.startswith(prefix)}
+    lm_head = tensors.pop("lm_head.weight")
+    order = aux_order(config)
+    blocks = tensors.pop("fc.weight").chunk(len(order), dim=1)  # ascending layers: block j is the head's order[j]
+    fc = torch.cat([blocks[order.index(position)] for position in range(len(order))], dim=1)
+    state = {"fc.weight": fc, "final_norm.weight": tensors.pop("norm.weight"),
+             **{f"layer.{name}": t for name, t in fuse_layer(layer, config, source).items()}, **tensors}
+    if config.trainable_lm_head:
+        state["lm_head.weight"] = lm_head
+    return state, lm_head
+
+
 def eagle3_tensors(state: dict[str, torch.Tensor], decoder: PretrainedConfig, fmt: str) -> dict[str, torch.Tensor]:
-    """A generic EAGLE-3 state dict -> the `fmt` layout ("eagle3" or "speculators").
+    """A generic EAGLE-3 state dict (eagle3_state) -> the `fmt` layout ("eagle3" or "speculators").
 
     state: fc.weight [H, n_aux * H_target]; layer.* a Llama layer under infer's names (qkv_proj / gate_up_proj fused
-    or split, q/k/v reading 2H) plus layer.hidden_norm.weight; norm.weight; and, with a draft vocabulary,
-    lm_head.weight [draft_vocab, H], d2t [draft_vocab] (draft id -> target id - draft id) and t2d [vocab] (bool)."""
+    or split, q/k/v reading 2H) plus layer.hidden_norm.weight; norm.weight; lm_head.weight [draft_vocab, H],
+    d2t [draft_vocab] (draft id -> target id - draft id) and t2d [vocab] (bool)."""
     layer = EAGLE3_LAYER[fmt]
     out = {}
     for name, tensor in split_fused({k.removeprefix("layer."): v for k, v in state.items()
@@ -224,8 +280,14 @@ def check_exportable(config: MTPHeadConfig, fmt: str) -> None:
     if fmt == "runtime":
         return
     if config.architecture == "eagle3":
-        raise ExportError(f"an EAGLE-3 head exports to the runtime format only, not {fmt!r} (its keys are already "
-                          "EAGLE-3's own: fc, layer.*, d2t, t2d, see infer/models/eagle3_head.py)")
+        if fmt not in EAGLE3_FORMATS:
+            raise ExportError(f"an EAGLE-3 head exports to the runtime, eagle3 or speculators format, not "
+                              f"{fmt!r} (the engines' EAGLE-1/2 and NextN classes read one hidden state, not three "
+                              "layers')")
+        return
+    if fmt in EAGLE3_FORMATS:
+        raise ExportError(f"the {fmt} format holds EAGLE-3 heads (head=eagle3: fc over three target layers, a "
+                          f"2H-input layer), not this {config.architecture} head")
     post_norm = config.hidden_state == "post_norm"
     if fmt == "sglang-nextn":
         if config.decoder_type == "llama":
@@ -255,34 +317,38 @@ def check_exportable(config: MTPHeadConfig, fmt: str) -> None:
                               "head=eagle1 head.proj_bias=false head.hidden_state=post_norm)")
 
 
-def eagle3_config(decoder: dict, target: dict, aux_layers: list[int], draft_vocab_size: int | None,
-                  norm_before_residual: bool) -> dict:
-    """config.json of the SafeAILab / SGLang EAGLE-3 layout; aux_layers are this project's (layer outputs)."""
-    ids = engine_layer_ids(aux_layers, "sglang")
-    return {"architectures": ["LlamaForCausalLMEagle3"], "model_type": "llama", **decoder_fields(decoder),
-            "num_hidden_layers": 1, "tie_word_embeddings": False, "vocab_size": target["vocab_size"],
-            "draft_vocab_size": draft_vocab_size,
-            "target_hidden_size": target["hidden_size"], "norm_before_residual": norm_before_residual,
-            "eagle_config": {"eagle_aux_hidden_state_layer_ids": ids, "use_aux_hidden_state": True},
-            "eagle_aux_hidden_state_layer_ids": ids, "target": target,
-            "export": {"format": "eagle3", "version": EXPORT_VERSION, "aux_layers": list(aux_layers)}}
-
-
-def speculators_config(algorithm: str, decoder: dict, target: dict, verifier_architectures: list[str],
-                       speculative_tokens: int, fields: dict) -> dict:
-    """vLLM's speculators config.json: the drafter's decoder as transformer_layer_config (model_type llama), one
-    greedy proposal method, the verifier by path (name_or_path, architectures) and the algorithm's own fields
-    (eagle3: draft_vocab_size, norm_before_residual, target_hidden_size, eagle_aux_hidden_state_layer_ids in
-    vLLM's convention, engine_layer_ids(..., "vllm"))."""
-    return {"speculators_model_type": algorithm, "architectures": [{"eagle3": "Eagle3Speculator"}[algorithm]],
-            "transformer_layer_config": {"model_type": "llama", **decoder_fields(decoder), "num_hidden_layers": 1,
-                                         "vocab_size": target["vocab_size"], "tie_word_embeddings": False},
+def eagle3_export_config(config: MTPHeadConfig, fmt: str, aux_layers: list[int], source: str,
+                         target_path: str | None) -> dict:
+    """config.json of an EAGLE-3 export: SafeAILab / SGLang's (eagle3) or vLLM's speculators format. aux_layers are
+    this project's (layer outputs), written in each reader's convention (engine_layer_ids); both record
+    norm_before_residual false (the residual is the un-normed fused state, infer.models.eagle3_head) and the
+    draft vocabulary's size."""
+    target = {**config.target, **({"path": target_path} if target_path else {})}
+    draft_vocab_size = config.draft_vocab_size or config.vocab_size
+    decoder = {**decoder_fields(config.decoder), "num_hidden_layers": 1, "vocab_size": config.vocab_size,
+               "tie_word_embeddings": False}
+    own = {"target": target, "mtp_head": asdict(config),
+           "export": {"format": fmt, "version": EXPORT_VERSION, "source": source, "aux_layers": list(aux_layers),
+                      "hidden_state": "the target's pre-norm residual stream leaving each aux layer",
+                      "served_by": [f"{loader.engine} {loader.cls}" for loader in loaders(fmt)]}}
+    if fmt == "eagle3":
+        ids = engine_layer_ids(aux_layers, "sglang")
+        return {"architectures": ["LlamaForCausalLMEagle3"], "model_type": "llama", **decoder,
+                "draft_vocab_size": draft_vocab_size, "target_hidden_size": config.hidden_size,
+                "norm_before_residual": False, "bias": False,
+                "eagle_config": {"eagle_aux_hidden_state_layer_ids": ids, "use_aux_hidden_state": True},
+                "eagle_aux_hidden_state_layer_ids": ids, **own}
+    speculative_tokens = config.num_draft_tokens_for(1) or 3
+    return {"speculators_model_type": "eagle3", "architectures": ["Eagle3Speculator"],
+            "transformer_layer_config": {"model_type": "llama", **decoder},
             "speculators_config": {
-                "algorithm": algorithm, "default_proposal_method": "greedy",
+                "algorithm": "eagle3", "default_proposal_method": "greedy",
                 "proposal_methods": [{"proposal_type": "greedy", "speculative_tokens": speculative_tokens}],
                 "verifier": {"name_or_path": target.get("path") or target["name"],
-                             "architectures": verifier_architectures}},
-            **fields}
+                             "architectures": EAGLE3_VERIFIER}},
+            "draft_vocab_size": draft_vocab_size, "norm_before_residual": False,
+            "target_hidden_size": config.hidden_size,
+            "eagle_aux_hidden_state_layer_ids": engine_layer_ids(aux_layers, "vllm"), **own}
 
 
 # --- writing ---------------------------------------------------------------------------------------------------
@@ -300,7 +366,7 @@ def recommended_k_from_report(report: Path) -> dict[str, int]:
 
 def export_head(head: str | Path | DraftHead, fmt: str, out: str | Path, target: str | Path | None = None,
                 overwrite: bool = False, report: Path | None = None) -> Path:
-    """Write `head` (a folder or an in-memory MTPHead) in format `fmt` to `out`.
+    """Write `head` (a folder or an in-memory head) in format `fmt` to `out`.
 
     target: the target's folder; when given the head is checked against it (HeadLoadError on a mismatch) and its
     path is recorded in config.json. A non-empty `out` is replaced only with overwrite=True, and only when it holds
@@ -321,9 +387,14 @@ def export_head(head: str | Path | DraftHead, fmt: str, out: str | Path, target:
     check_exportable(config, fmt)
     if fmt == "runtime":
         return save_head(head, out, overwrite=overwrite)
+    target_path = str(target) if target is not None else None
+    if fmt in EAGLE3_FORMATS:
+        state, aux_layers = eagle3_state(head)
+        return write_folder(out, eagle3_tensors(state, config.decoder_config(), fmt),
+                            eagle3_export_config(config, fmt, aux_layers, source, target_path), overwrite)
     state = {name: t.detach().contiguous().cpu() for name, t in head.state_dict().items()}
-    config_json = export_config(config, fmt, source, str(target) if target is not None else None)
-    return write_folder(out, to_format(state, config, fmt), config_json, overwrite)
+    return write_folder(out, to_format(state, config, fmt), export_config(config, fmt, source, target_path),
+                        overwrite)
 
 
 def write_folder(out: str | Path, tensors: dict[str, torch.Tensor], config_json: dict, overwrite: bool = False) -> Path:
@@ -336,30 +407,10 @@ def write_folder(out: str | Path, tensors: dict[str, torch.Tensor], config_json:
     return out
 
 
-def write_eagle3(out: str | Path, state: dict[str, torch.Tensor], decoder: dict, target: dict, aux_layers: list[int],
-                 draft_vocab_size: int | None = None, norm_before_residual: bool = False,
-                 overwrite: bool = False) -> Path:
-    """An EAGLE-3 head (a generic state dict, see eagle3_tensors) in the SafeAILab / SGLang layout."""
-    tensors = eagle3_tensors(state, LlamaConfig(**decoder), "eagle3")
-    return write_folder(out, tensors, eagle3_config(decoder, target, aux_layers, draft_vocab_size,
-                                                    norm_before_residual), overwrite)
-
-
-def write_speculators(out: str | Path, state: dict[str, torch.Tensor], decoder: dict, target: dict,
-                      verifier_architectures: list[str], aux_layers: list[int], speculative_tokens: int,
-                      draft_vocab_size: int | None = None, norm_before_residual: bool = False,
-                      overwrite: bool = False) -> Path:
-    """An EAGLE-3 head in vLLM's speculators format (speculators_model_type eagle3)."""
-    fields = {"draft_vocab_size": draft_vocab_size or target["vocab_size"], "norm_before_residual": norm_before_residual,
-              "target_hidden_size": target["hidden_size"],
-              "eagle_aux_hidden_state_layer_ids": engine_layer_ids(aux_layers, "vllm")}
-    config_json = speculators_config("eagle3", decoder, target, verifier_architectures, speculative_tokens, fields)
-    return write_folder(out, eagle3_tensors(state, LlamaConfig(**decoder), "speculators"), config_json, overwrite)
-
-
 # --- reading back ----------------------------------------------------------------------------------------------
-def load_export(path: str | Path, target: nn.Module, dtype: torch.dtype | None = None) -> MTPHead:
-    """Any export (or a runtime head folder) back into infer's MTPHead, attached to `target`'s embedding and lm_head."""
+def load_export(path: str | Path, target: nn.Module, dtype: torch.dtype | None = None) -> DraftHead:
+    """Any export (or a runtime head folder) back into infer's head, attached to `target`'s embedding and lm_head.
+    An EAGLE-3 export's lm_head.weight must be the target's rows when the head shares them: the engines score it."""
     path = Path(path)
     config_file, weights_file = path / "config.json", path / "model.safetensors"
     for file in (config_file, weights_file):
@@ -373,16 +424,27 @@ def load_export(path: str | Path, target: nn.Module, dtype: torch.dtype | None =
     if "mtp_head" not in raw:  # infer's own head folder
         return load_head(path, target, dtype)
     fmt = raw.get("export", {}).get("format")
-    if fmt not in MODULE_NAMES:
+    if fmt not in MODULE_NAMES and fmt not in EAGLE3_FORMATS:
         raise HeadLoadError(f"{config_file}: unknown export format {fmt!r}")
     try:
         config = MTPHeadConfig(**raw["mtp_head"])
     except TypeError as err:
         raise HeadLoadError(f"{config_file}: 'mtp_head' is not a head config: {err}") from err
+    if (fmt in EAGLE3_FORMATS) != (config.architecture == "eagle3"):
+        raise HeadLoadError(f"{config_file}: a {fmt} export cannot hold a {config.architecture} head")
     check_target(config, target, str(config_file))
-    head = MTPHead(config)
-    load_weights(head, from_format(load_file(str(weights_file)), config, fmt, weights_file), weights_file)
-    return attach_to_target(head, target, dtype, where=str(config_file))
+    head = head_module(config)
+    tensors = load_file(str(weights_file))
+    if fmt not in EAGLE3_FORMATS:
+        load_weights(head, from_format(tensors, config, fmt, weights_file), weights_file)
+        return attach_to_target(head, target, dtype, where=str(config_file))
+    state, lm_head = from_eagle3(tensors, config, fmt, weights_file)
+    load_weights(head, state, weights_file)
+    head = attach_to_target(head, target, dtype, where=str(config_file))
+    if not config.trainable_lm_head and not torch.equal(lm_head, head.lm_head_weight().to(lm_head)):
+        raise HeadLoadError(f"{weights_file}: lm_head.weight is not the target's rows at the draft ids, which this "
+                            "head shares: the engines would score other logits")
+    return head
 
 
 # --- command line ---------------------------------------------------------------------------------------------------

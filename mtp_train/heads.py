@@ -65,13 +65,17 @@ def build_head(target: Target, head_cfg: DictConfig, path: str, dtype: torch.dty
 
 # --- initialisation ----------------------------------------------------------------------------------------
 def init_random(module: nn.Module, std: float) -> None:
+    """N(0, std) weights (Linear layers and an MoE router's [experts, H] table, built uninitialised), zero biases,
+    unit norms."""
     for sub in module.modules():
         if isinstance(sub, nn.Linear):
             nn.init.normal_(sub.weight, std=std)
             if sub.bias is not None:
                 nn.init.zeros_(sub.bias)
-        elif hasattr(sub, "weight") and sub.weight is not None and sub.weight.dim() == 1:  # RMSNorm
+        elif getattr(sub, "weight", None) is not None and sub.weight.dim() == 1:  # RMSNorm
             nn.init.ones_(sub.weight)
+        elif getattr(sub, "weight", None) is not None:  # the router
+            nn.init.normal_(sub.weight, std=std)
 
 
 def layer_state_from_checkpoint(path: str, config: PretrainedConfig, names: list[str],

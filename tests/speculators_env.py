@@ -41,8 +41,10 @@ def python() -> Path:
 
 
 def run(script: Path, *args: str, timeout: int = 300) -> subprocess.CompletedProcess:
-    """`script` under the environment's interpreter, with no project path: it sees the package, not this repo."""
+    """`script` under the environment's interpreter, with no project path: it sees the package, not this repo.
+    Offline: the package resolves a verifier it cannot find locally on the Hub, retrying for a minute."""
     env = {key: value for key, value in os.environ.items() if key not in ("PYTHONPATH", "VIRTUAL_ENV")}
+    env["HF_HUB_OFFLINE"] = "1"
     return subprocess.run([str(python()), str(script), *args], env=env, capture_output=True, text=True,
                           timeout=timeout)
 

@@ -1,30 +1,100 @@
-"""Run inside the speculators environment (tests/speculators_env.py): load a folder with the package's own classes.
+"""Run inside the speculators environment (tests/speculators_env.py): load exports with the package's own classes and
+run its own forward on the inputs given.
 
-    python speculators_probe.py FOLDER REPORT.json
+    python speculators_probe.py JOB.json
 
-SpeculatorModel.from_pretrained picks the class from config.json's speculators_model_type, validates the config
-with the package's pydantic schema and loads model.safetensors (and the verifier's embedding from
-speculators_config.verifier.name_or_path). The report says which written tensors the model holds unchanged.
+JOB.json: {"inputs": INPUTS.safetensors, "ttt_steps": K, "dtypes": ["float32", ...], "loads": [{"name", "folder",
+"convert", "report", "logits"}, ...]}. Each load takes `folder` as it is (a speculators export:
+SpeculatorModel.from_pretrained picks the class from speculators_model_type, validates config.json with the
+package's pydantic schema, loads model.safetensors and the verifier's embedding from
+speculators_config.verifier.name_or_path), or, with "convert": {"verifier", "eagle_aux_hidden_state_layer_ids",
+"norm_before_residual", "output"}, first converts it with the package's EAGLE-3 converter (convert_model, algorithm
+"eagle3") into `output` and loads that.
+
+INPUTS holds input_ids [T] (t_{i+1}), position_ids [T] (i, vLLM's draft positions) and, per dtype and case,
+DTYPE.hidden.CASE [T, 3H]: the target's aux states concatenated as the caller says the engine captures them.
+Eagle3DraftModel.forward, the model cast to DTYPE, runs ttt_steps steps (step k: the layer's own pre-norm output of
+step k - 1, the tokens shifted by k, positions + k, causal attention over step 0's keys plus the diagonal of each
+later step; the inputs padded to whole attention blocks, see `pad`) and returns argmax ids only, so a hook on
+lm_head records the draft-vocabulary logits of every step: written as DTYPE.CASE.stepK [T, draft vocab], with
+draft_to_target = arange + d2t (the target id of each draft logit).
 """
 
 import json
 import sys
 
 import torch
-from safetensors.torch import load_file
+from safetensors.torch import load_file, save_file
 from speculators import SpeculatorModel
+from speculators.convert.entrypoints import convert_model
+from speculators.utils.loading import load_model_layers
 
-folder, report = sys.argv[1], sys.argv[2]
-model = SpeculatorModel.from_pretrained(folder)
-state = {**dict(model.named_parameters()), **dict(model.named_buffers())}
-written = load_file(f"{folder}/model.safetensors")
-json.dump({
-    "class": type(model).__name__,
-    "config_class": type(model.config).__name__,
-    "draft_vocab_size": model.config.draft_vocab_size,
-    "aux_layer_ids": model.config.eagle_aux_hidden_state_layer_ids,
-    "not_held": sorted(k for k in written if k not in state),
-    "changed": sorted(k for k in written if k in state and not torch.equal(state[k].detach().to(written[k].dtype),
-                                                                            written[k])),
-    "not_written": sorted(k for k in state if k not in written),
-}, open(report, "w"), indent=2)
+BLOCK = 128  # torch flex attention's default block size
+
+
+def pad(tensor: torch.Tensor, value: float) -> torch.Tensor:
+    """[T, ...] -> [1, T', ...], T' a multiple of flex attention's block size (the package's block-mask extension for
+    TTT steps assumes whole blocks, as its trainer packs them); document id -1 marks the padding, which no real query
+    attends (causal, and padding comes last)."""
+    extra = -len(tensor) % BLOCK
+    return torch.cat([tensor, tensor.new_full((extra, *tensor.shape[1:]), value)])[None]
+
+
+def run(load: dict, inputs: dict, ttt_steps: int, dtypes: list[str]) -> None:
+    folder = load["folder"]
+    if load.get("convert"):
+        options = dict(load["convert"])
+        output, verifier = options.pop("output"), options.pop("verifier")
+        convert_model(model=folder, verifier=verifier, algorithm="eagle3", output_path=output, **options)
+        folder = output
+    model = SpeculatorModel.from_pretrained(folder).eval()
+    verifier = load_model_layers(["embed_tokens.weight"], model.config.speculators_config.verifier.name_or_path)
+    embedding_loaded = torch.equal(model.embed_tokens.weight, verifier["embed_tokens.weight"])
+    # from_pretrained loads the verifier's embedding only where the table holds a NaN (its "not loaded" mark, set in
+    # __init__); under transformers 5 the table is uninitialised memory instead, so it loads it by chance. The
+    # package's own loader again, told to overwrite (vLLM takes the target's embedding itself).
+    model._load_verifier_weights(overwrite_embed_tokens=True)  # noqa: SLF001
+    state = {**dict(model.named_parameters()), **dict(model.named_buffers())}
+    written = load_file(f"{folder}/model.safetensors")
+    json.dump({
+        "embedding_loaded_by_from_pretrained": embedding_loaded,
+        "class": type(model).__name__,
+        "config_class": type(model.config).__name__,
+        "draft_vocab_size": model.config.draft_vocab_size,
+        "aux_layer_ids": model.config.eagle_aux_hidden_state_layer_ids,
+        "norm_before_residual": model.config.norm_before_residual,
+        "not_held": sorted(k for k in written if k not in state),
+        "changed": sorted(k for k in written if k in state and not torch.equal(
+            state[k].detach().to(written[k].dtype), written[k])),
+        "not_written": sorted(k for k in state if k not in written),
+    }, open(load["report"], "w"), indent=2)
+
+    captured = []
+    model.lm_head.register_forward_hook(lambda module, args, output: captured.append(output[0].detach()))
+    ids, positions, documents = (pad(inputs["input_ids"], 0), pad(inputs["position_ids"], 0),
+                                 pad(torch.zeros_like(inputs["input_ids"]), -1))
+    offsets = model.d2t if model.d2t is not None else 0  # no d2t buffer when the draft vocabulary is the target's
+    out = {"draft_to_target": torch.arange(model.config.draft_vocab_size) + offsets}
+    for dtype in dtypes:
+        model.to(getattr(torch, dtype))
+        for key, hidden in inputs.items():
+            if not key.startswith(f"{dtype}.hidden."):
+                continue
+            captured.clear()
+            with torch.no_grad():
+                model(hidden_states=pad(hidden, 0.0), input_ids=ids, document_ids=documents, position_ids=positions,
+                      ttt_steps=ttt_steps)
+            for step, logits in enumerate(captured):
+                out[f"{key.replace('.hidden.', '.')}.step{step}"] = logits[: len(hidden)].contiguous()
+    save_file(out, load["logits"])
+
+
+def main() -> None:
+    job = json.load(open(sys.argv[1]))
+    inputs = load_file(job["inputs"])
+    for load in job["loads"]:
+        run(load, inputs, job["ttt_steps"], job["dtypes"])
+
+
+if __name__ == "__main__":
+    main()

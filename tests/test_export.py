@@ -5,13 +5,15 @@ loader table (mtp_train.engine_loaders).
   parameter perturbed so that a misplaced row changes the logits; through the engine the reloaded head drafts
   exactly what the original does.
 - A head goes only where the engine feeds it what it was trained on and builds its function: eagle takes post-norm,
-  norm-free, unbiased Llama heads; sglang-nextn post-norm DeepSeek-V2 heads with the target's MoE; everything else is
-  refused with the reason (MTP heads of Llama targets are told the runtime command that serves them).
+  norm-free, unbiased Llama heads; sglang-nextn post-norm DeepSeek-V2 heads with the target's MoE; eagle3 and
+  speculators EAGLE-3 heads (with the target's lm_head rows when shared); everything else is refused with the reason
+  (MTP heads of Llama targets are told the runtime command that serves them).
 - Each export matches, name by name and shape by shape, what every loader of its format reads (and a tampered one
-  does not); the EAGLE-3 writers (generic state dicts) match theirs; every config carries the target's
-  max_position_embeddings, rope settings and vocabulary size.
+  does not); every config carries the target's max_position_embeddings, rope settings and vocabulary size.
 - Names mean what they say: the untrained EAGLE head under EAGLE names is the checkpoint's own model.layers.4.*;
-  eh_proj is [embedding | hidden]. No embedding or lm_head tensor leaves; writes replace the folder atomically.
+  eh_proj is [embedding | hidden]; an EAGLE-3 head's fused projections split into the engines' q/k/v and gate/up,
+  its fc blocks in layer order. No embedding leaves, nor an lm_head but EAGLE-3's; writes replace the folder
+  atomically.
 """
 
 from __future__ import annotations
@@ -32,12 +34,15 @@ from infer.cli import run_cli
 from infer.engine import Engine, EngineConfig
 from infer.models.llama import LlamaForCausalLM
 from infer.loader import load_model
+from infer.models.eagle3_head import Eagle3Head, init_eagle3_from_target
 from infer.models.mtp_head import (
-    HeadLoadError, MTPHead, MTPHeadConfig, head_config_for, init_head_from_target, read_head, save_head, shared_weights,
+    HeadLoadError, MTPHead, head_config_for, head_module, init_head_from_target, read_head, save_head,
+    shared_weights, target_digest, target_identity,
 )
 from infer.sampling_params import SamplingParams
 from mtp_train.engine_loaders import LOADERS, check, engine_layer_ids, loaders
-from mtp_train.export import ExportError, export_head, load_export, main, write_eagle3, write_speculators
+from mtp_train.export import ExportError, export_head, load_export, main
+from mtp_train.heads import init_random
 
 pytestmark = pytest.mark.usefixtures("one_torch_thread")
 
@@ -85,10 +90,13 @@ def dsv2_model(dsv2_dir):
 
 
 def dsv2_head(model, **changes) -> MTPHead:
-    """The NextN-shaped head of the tiny DeepSeek target: MLA + the target's MoE, post-norm inputs."""
+    """The NextN-shaped head of the tiny DeepSeek target: MLA + the target's MoE, post-norm inputs (drawn first: the
+    router is built uninitialised, and a NaN there never equals itself)."""
     identity = {"name": "tiny-dsv2", "hidden_size": 32, "vocab_size": 512}
     config = head_config_for(model.config, identity, "mtp", **{"hidden_state": "post_norm", "mlp": "moe", **changes})
-    return perturb(MTPHead(config), seed=1).attach(shared_weights(model))
+    head = MTPHead(config)
+    init_random(head, 0.02)
+    return perturb(head, seed=1).attach(shared_weights(model))
 
 
 @pytest.fixture(scope="module")
@@ -211,46 +219,52 @@ def target_fields(config: dict, fmt: str) -> tuple:
     return config["max_position_embeddings"], config["rope_theta"], config["vocab_size"]
 
 
-def eagle3_state(hidden: int = 64, vocab: int = 512, draft: int = 128) -> tuple[dict, dict]:
-    """A random EAGLE-3 state dict in the writers' generic names, with the stories260K layer's shapes; draft id d is
-    target id 3d (d2t holds the difference, t2d marks the target ids)."""
-    decoder = dict(hidden_size=hidden, intermediate_size=172, num_attention_heads=8, num_key_value_heads=4, head_dim=8,
-                   rms_norm_eps=1e-5, max_position_embeddings=512, hidden_act="silu",
-                   rope_parameters={"rope_type": "default", "rope_theta": 10000.0})
-    g = torch.Generator().manual_seed(3)
-    r = lambda *shape: torch.randn(*shape, generator=g)  # noqa: E731
-    state = {"fc.weight": r(hidden, 3 * hidden), "norm.weight": r(hidden), "lm_head.weight": r(draft, hidden),
-             "d2t": torch.arange(draft) * 2, "t2d": torch.isin(torch.arange(vocab), torch.arange(draft) * 3),
-             "layer.self_attn.qkv_proj.weight": r(128, 2 * hidden), "layer.self_attn.o_proj.weight": r(hidden, 64),
-             "layer.mlp.gate_up_proj.weight": r(344, hidden), "layer.mlp.down_proj.weight": r(hidden, 172),
-             "layer.input_layernorm.weight": r(hidden), "layer.hidden_norm.weight": r(hidden),
-             "layer.post_attention_layernorm.weight": r(hidden)}
-    return state, decoder
+def eagle3_head(model, layer_ids: tuple[int, ...] = (4, 1, 2), trainable_lm_head: bool = False) -> Eagle3Head:
+    """A perturbed EAGLE-3 head on stories260K: a 128-id draft vocabulary (random target ids, so d2t is not a
+    constant), aux layer ids out of order (the exports write them ascending), the target's lm_head rows shared or
+    (trainable_lm_head) its own."""
+    identity = target_identity("stories260K", model.config, target_digest(model))
+    config = head_config_for(model.config, identity, "eagle3", layer_ids=list(layer_ids), draft_vocab_size=128,
+                             trainable_lm_head=trainable_lm_head)
+    head = init_eagle3_from_target(head_module(config).attach(shared_weights(model)), model)
+    head.set_draft_vocab(torch.randperm(512, generator=torch.Generator().manual_seed(4))[:128])
+    head.share_lm_head_rows()
+    return perturb(head, seed=2)
 
 
-def write_all(head_dirs, dsv2_model, root: Path) -> dict[str, Path]:
-    """One folder per format: the CLI's three from MTP heads, the EAGLE-3 writers from a generic state dict."""
-    state, decoder = eagle3_state()
-    target = {"name": "stories260K", "hidden_size": 64, "vocab_size": 512, "path": "/models/stories260K"}
+def eagle3_logits(head: Eagle3Head, model, ids: torch.Tensor) -> torch.Tensor:
+    """Step-0 logits over the target's vocabulary: the head on the target's aux states at `ids`."""
+    n = len(ids)
+    out = model(ids, torch.arange(n), PackedCausalAttention([n]), [None] * 5, aux_layers=head.target_aux_layers)
+    aux = torch.stack([out.aux_hidden_states[i] for i in head.target_aux_layers], dim=1)
+    return head(ids[1:], torch.arange(n - 1), PackedCausalAttention([n - 1]), [None],
+                hidden_states=head.features(out.hidden_states, aux)[:-1]).logits
+
+
+def write_all(head_dirs, dsv2_model, stories_model, root: Path) -> dict[str, Path]:
+    """One folder per format: MTP / EAGLE-1 heads for the first three, an EAGLE-3 head for the last two."""
+    eagle3 = eagle3_head(stories_model)
     return {"runtime": export_head(head_dirs["mtp"], "runtime", root / "runtime"),
             "eagle": export_head(head_dirs["eagle"], "eagle", root / "eagle"),
             "sglang-nextn": export_head(dsv2_head(dsv2_model), "sglang-nextn", root / "nextn"),
-            "eagle3": write_eagle3(root / "eagle3", state, decoder, target, [1, 2, 4], draft_vocab_size=128),
-            "speculators": write_speculators(root / "spec", state, decoder, target, ["LlamaForCausalLM"], [1, 2, 4], 3,
-                                             draft_vocab_size=128)}
+            "eagle3": export_head(eagle3, "eagle3", root / "eagle3"),
+            "speculators": export_head(eagle3, "speculators", root / "spec")}
 
 
-def test_every_export_conforms_to_the_loaders_that_serve_it(head_dirs, dsv2_model, tmp_path):
-    folders = write_all(head_dirs, dsv2_model, tmp_path)
+def test_every_export_conforms_to_the_loaders_that_serve_it(head_dirs, dsv2_model, stories_model, tmp_path):
+    folders = write_all(head_dirs, dsv2_model, stories_model, tmp_path)
     served = {(l.fmt, l.engine): check(folders[l.fmt], l) for l in LOADERS}
     assert served == {**{key: [] for key in served}, ("sglang-nextn", "vllm"): served[("sglang-nextn", "vllm")]}
     # vLLM's DeepSeekMTP reads the MTP layer after the target's layers, with its own lm_head: not this layout
     vllm_nextn = " ".join(served[("sglang-nextn", "vllm")])
     assert "lacks model.layers.1.eh_proj.weight" in vllm_nextn and "shared_head.head.weight" in vllm_nextn
+    # head ids (4, 1, 2) = the streams entering layers 4, 1, 2 = the outputs of layers 3, 0, 1, written ascending
     speculators = json.loads((folders["speculators"] / "config.json").read_text())
-    assert speculators["eagle_aux_hidden_state_layer_ids"] == [2, 3, 5]  # vLLM: inputs of layers, ours are outputs
-    assert json.loads((folders["eagle3"] / "config.json").read_text())["eagle_config"][
-        "eagle_aux_hidden_state_layer_ids"] == [1, 2, 4]  # SGLang adds 1 itself
+    assert speculators["eagle_aux_hidden_state_layer_ids"] == [1, 2, 4]  # vLLM: the input of layer i
+    eagle3 = json.loads((folders["eagle3"] / "config.json").read_text())
+    assert eagle3["eagle_config"]["eagle_aux_hidden_state_layer_ids"] == [0, 1, 3]  # SGLang: layer i's output
+    assert speculators["norm_before_residual"] is False and eagle3["norm_before_residual"] is False
+    assert speculators["draft_vocab_size"] == eagle3["draft_vocab_size"] == 128
     assert engine_layer_ids([1, 2, 4], "vllm") == [2, 3, 5] and engine_layer_ids([1, 2, 4], "sglang") == [1, 2, 4]
 
 
@@ -273,8 +287,8 @@ def test_the_loader_check_finds_each_kind_of_mismatch(head_dirs, tmp_path):
                                   "sglang LlamaForCausalLMEagle: config.json lacks 'num_key_value_heads'"]
 
 
-def test_every_export_carries_the_targets_context_rope_and_vocabulary(head_dirs, dsv2_model, tmp_path):
-    folders = write_all(head_dirs, dsv2_model, tmp_path)
+def test_every_export_carries_the_targets_context_rope_and_vocabulary(head_dirs, dsv2_model, stories_model, tmp_path):
+    folders = write_all(head_dirs, dsv2_model, stories_model, tmp_path)
     expected = {"runtime": (512, 10000.0, 512), "eagle": (512, 10000.0, 512), "sglang-nextn": (256, 20000.0, 512),
                 "eagle3": (512, 10000.0, 512), "speculators": (512, 10000.0, 512)}
     for fmt, folder in folders.items():
@@ -319,12 +333,69 @@ def test_heads_the_engines_would_serve_differently_are_refused_with_the_reason(h
     assert not (tmp_path / "out").exists()
 
 
-def test_an_eagle3_head_exports_to_the_runtime_format_only(tmp_path, stories_model):
-    eagle3 = init_head_from_target(stories_model, "stories260K", "eagle3")
-    for fmt in ("sglang-nextn", "eagle"):
-        with pytest.raises(ExportError, match="EAGLE-3 head exports to the runtime format only"):
-            export_head(eagle3, fmt, tmp_path / fmt)
-    assert load_export(export_head(eagle3, "runtime", tmp_path / "r"), stories_model).config == eagle3.config
+@pytest.mark.parametrize("fmt", ["runtime", "eagle3", "speculators"])
+@pytest.mark.parametrize("trainable_lm_head", [False, True])
+def test_an_eagle3_head_reloads_from_each_format_to_the_same_logits(stories_model, tmp_path, fmt, trainable_lm_head):
+    """Its layer ids out of order: a reload that did not undo the export's fc permutation would change the logits."""
+    head = eagle3_head(stories_model, trainable_lm_head=trainable_lm_head)
+    reloaded = load_export(export_head(head, fmt, tmp_path / fmt), stories_model)
+    assert reloaded.config == head.config
+    ids = torch.randint(3, 512, (20,), generator=torch.Generator().manual_seed(6))
+    torch.testing.assert_close(eagle3_logits(reloaded, stories_model, ids), eagle3_logits(head, stories_model, ids),
+                               rtol=0, atol=0)
+
+
+@pytest.mark.parametrize("fmt,layer", [("eagle3", "midlayer"), ("speculators", "layers.0")])
+def test_eagle3_exports_hold_the_heads_tensors_under_the_engines_names(stories_model, tmp_path, fmt, layer):
+    head = eagle3_head(stories_model)
+    tensors = load_file(str(export_head(head, fmt, tmp_path / fmt) / "model.safetensors"))
+    state = head.state_dict()
+    qkv, gate_up = state["layer.self_attn.qkv_proj.weight"], state["layer.mlp.gate_up_proj.weight"]
+    assert qkv.shape == (128, 128)  # 8 query heads and 4 kv heads of 8, over [embedding ; state]
+    for name, tensor in {"self_attn.q_proj": qkv[:64], "self_attn.k_proj": qkv[64:96], "self_attn.v_proj": qkv[96:],
+                         "mlp.gate_proj": gate_up[:172], "mlp.up_proj": gate_up[172:]}.items():
+        assert torch.equal(tensors[f"{layer}.{name}.weight"], tensor), name
+    for name in ("input_layernorm", "hidden_norm", "post_attention_layernorm", "self_attn.o_proj", "mlp.down_proj"):
+        assert torch.equal(tensors[f"{layer}.{name}.weight"], state[f"layer.{name}.weight"]), name
+    # head ids (4, 1, 2) -> fc's blocks for ids 1, 2, 4 (layer order, as the engines concatenate)
+    fc = state["fc.weight"]
+    assert torch.equal(tensors["fc.weight"], torch.cat([fc[:, 64:128], fc[:, 128:], fc[:, :64]], dim=1))
+    assert torch.equal(tensors["norm.weight"], state["final_norm.weight"])
+    # the shared lm_head: the target's rows at the draft ids (d2t[i] = target id - i, t2d marks those ids)
+    draft_ids = torch.arange(128) + tensors["d2t"]
+    assert tensors["d2t"].dtype == torch.int64 and tensors["t2d"].dtype == torch.bool
+    assert torch.equal(draft_ids, head.draft_token_ids()) and torch.equal(tensors["t2d"].nonzero()[:, 0], draft_ids)
+    assert torch.equal(tensors["lm_head.weight"], stories_model.lm_head.weight[draft_ids])
+    assert not [name for name in tensors if "embed" in name]
+
+
+def test_eagle3_exports_refuse_what_they_cannot_hold(stories_model, stories_hf_dir, head_dirs, tmp_path, capsys):
+    shared = save_head(eagle3_head(stories_model), tmp_path / "shared")
+    for fmt in ("eagle3", "speculators"):
+        with pytest.raises(ExportError, match="scores the target's lm_head rows.*pass --target"):
+            export_head(shared, fmt, tmp_path / fmt)  # read without its target: no rows to write
+        with pytest.raises(ExportError, match="holds EAGLE-3 heads .*not this mtp head"):
+            export_head(head_dirs["mtp"], fmt, tmp_path / fmt)
+        assert not (tmp_path / fmt).exists()
+    for fmt in ("eagle", "sglang-nextn"):
+        with pytest.raises(ExportError, match="EAGLE-3 head exports to the runtime, eagle3 or speculators format"):
+            export_head(shared, fmt, tmp_path / fmt)
+    own = save_head(eagle3_head(stories_model, trainable_lm_head=True), tmp_path / "own")
+    assert load_export(export_head(own, "eagle3", tmp_path / "own-eagle3"), stories_model).lm_head is not None
+    assert main(["--head", str(shared), "--format", "speculators", "--out", str(tmp_path / "cli"),
+                 "--target", str(stories_hf_dir)]) == 0
+    assert "speculators, 15 tensors" in capsys.readouterr().out
+    config = json.loads((tmp_path / "cli" / "config.json").read_text())
+    assert config["speculators_config"]["verifier"]["name_or_path"] == str(stories_hf_dir)
+
+
+def test_a_reloaded_eagle3_export_whose_lm_head_is_not_the_targets_rows_is_refused(stories_model, tmp_path):
+    out = export_head(eagle3_head(stories_model), "speculators", tmp_path / "spec")
+    tensors = load_file(str(out / "model.safetensors"))
+    tensors["lm_head.weight"][0, 0] += 1.0
+    save_file(tensors, str(out / "model.safetensors"))
+    with pytest.raises(HeadLoadError, match=r"lm_head\.weight is not the target's rows at the draft ids"):
+        load_export(out, stories_model)
 
 
 @pytest.mark.parametrize("missing", ["k_proj", "v_proj"])  # a hole in the rows, and rows short at the end
@@ -361,7 +432,8 @@ def test_help_names_each_format_with_its_engine_and_the_runtime_command(capsys):
     text = " ".join(capsys.readouterr().out.split())
     for needle in ("runtime infer's head folder", "python -m infer.generate --model TARGET --spec mtp --draft DIR",
                    "no engine serves them", "SGLang LlamaForCausalLMEagle", "vLLM EagleLlamaForCausalLM",
-                   "SGLang DeepseekV3ForCausalLMNextN", "speculators 0.9.0", "docs/engine_loaders.md"):
+                   "SGLang DeepseekV3ForCausalLMNextN", "SGLang LlamaForCausalLMEagle3", "vLLM's speculators format",
+                   "speculators 0.9.0 package's Eagle3DraftModel", "needs --target", "docs/engine_loaders.md"):
         assert needle in text, needle
 
 

@@ -220,6 +220,11 @@ def test_deepseek_target_head_init_and_training_step(tmp_path):
     assert sorted(moe.layer.state_dict()) == sorted(last) and "mlp.experts.3.down_proj.weight" in last
     for name, value in moe.layer.state_dict().items():
         torch.testing.assert_close(value, last[name], rtol=0, atol=0, msg=name)
+    # head.init=random: every tensor drawn, the router too (infer builds it uninitialised: garbage or NaN)
+    random = build_head(target, compose([f"model.path={tmp_path}", "head.mlp=moe", "head.init=random"]).head,
+                        str(tmp_path))
+    assert all(bool(p.isfinite().all()) for p in random.parameters())
+    assert 0.015 < random.layer.mlp.gate.weight.std().item() < 0.025  # N(0, initializer_range 0.02)
     with pytest.raises(ConfigError, match="head.mlp must be one of dense, moe"):
         compose([f"model.path={tmp_path}", "head.mlp=sparse"])
     model = UnrolledHead(head, target.norm_weight, target.eps, 2, LossWeights(ce=0.1, chunk_tokens=5))

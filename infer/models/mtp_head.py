@@ -30,7 +30,7 @@ from __future__ import annotations
 import hashlib
 import json
 import weakref
-from dataclasses import asdict
+from dataclasses import MISSING, asdict, fields
 from pathlib import Path
 
 import torch
@@ -51,15 +51,17 @@ from infer.parallel import whole_weight
 
 ARCHITECTURES = ("mtp", "eagle1", "eagle3")
 DRAFTER_KINDS = {"mtp": "mtp", "eagle1": "mtp", "eagle3": "eagle3"}  # architecture -> infer.engine drafter kind
+# The DeepSeek-V2 fields only an MoE MLP reads (head.mlp=moe); a dense layer ignores them.
+MOE_DECODER_KEYS = ("moe_intermediate_size", "n_routed_experts", "n_shared_experts", "num_experts_per_tok",
+                    "topk_method", "n_group", "topk_group", "routed_scaling_factor", "norm_topk_prob", "scoring_func",
+                    "moe_layer_freq")
 # The target config fields a head's decoder layer copies, per decoder type.
 DECODER_KEYS = {
     "llama": ("hidden_size", "intermediate_size", "num_attention_heads", "num_key_value_heads", "head_dim",
               "rms_norm_eps", "max_position_embeddings", "attention_bias", "mlp_bias", "hidden_act"),
     "deepseek_v2": ("hidden_size", "intermediate_size", "num_attention_heads", "num_key_value_heads", "q_lora_rank",
                     "kv_lora_rank", "qk_nope_head_dim", "qk_rope_head_dim", "v_head_dim", "rms_norm_eps",
-                    "max_position_embeddings", "attention_bias", "hidden_act", "moe_intermediate_size",
-                    "n_routed_experts", "n_shared_experts", "num_experts_per_tok", "topk_method", "n_group",
-                    "topk_group", "routed_scaling_factor", "norm_topk_prob", "scoring_func", "moe_layer_freq"),
+                    "max_position_embeddings", "attention_bias", "hidden_act", *MOE_DECODER_KEYS),
 }
 
 
@@ -112,6 +114,19 @@ class MTPHead(DraftHead):
             cos, sin = half_split_cos_sin(cos, sin)
         x = self.layer(x, cos, sin, attn, kv_caches[0])
         return ModelOutput(self.compute_logits(x, logits_indices), x)
+
+
+def config_identity(config: dict) -> dict:
+    """A head config's fields (asdict, or as an older version wrote them) reduced to what decides the head's function,
+    for comparing runs: a field an older version did not write holds its default (each field was added with the
+    default that keeps the earlier behaviour), and a dense MLP's decoder drops the MoE fields it never reads (written
+    since head.mlp exists), so a run saved before them matches a run that keeps those defaults."""
+    defaults = {f.name: f.default if f.default is not MISSING else f.default_factory()
+                for f in fields(MTPHeadConfig) if f.default is not MISSING or f.default_factory is not MISSING}
+    identity = {**defaults, **config}
+    if identity["mlp"] == "dense" and isinstance(identity.get("decoder"), dict):
+        identity["decoder"] = {k: v for k, v in identity["decoder"].items() if k not in MOE_DECODER_KEYS}
+    return identity
 
 
 def head_module(config: MTPHeadConfig) -> DraftHead:
