@@ -275,8 +275,9 @@ def export_config(config: MTPHeadConfig, fmt: str, source: str, target_path: str
             "bias": True}
 
 
-def check_exportable(config: MTPHeadConfig, fmt: str) -> None:
-    """Refuse a head that the format's engines would serve as another function, or feed other inputs."""
+def check_exportable(config: MTPHeadConfig, fmt: str, num_target_layers: int | None = None) -> None:
+    """Refuse a head that the format's engines would serve as another function, or feed other inputs.
+    num_target_layers (known when the target is given) rules out an EAGLE-3 id the engines cannot capture."""
     if fmt == "runtime":
         return
     if config.architecture == "eagle3":
@@ -284,6 +285,10 @@ def check_exportable(config: MTPHeadConfig, fmt: str) -> None:
             raise ExportError(f"an EAGLE-3 head exports to the runtime, eagle3 or speculators format, not "
                               f"{fmt!r} (the engines' EAGLE-1/2 and NextN classes read one hidden state, not three "
                               "layers')")
+        if num_target_layers is not None and max(config.aux_layer_ids) >= num_target_layers:
+            raise ExportError(f"this EAGLE-3 head fuses id {max(config.aux_layer_ids)}, the target's last layer's "
+                              f"output: vLLM and SGLang capture only the streams entering layers 0.."
+                              f"{num_target_layers - 1}; serve it with the runtime format")
         return
     if fmt in EAGLE3_FORMATS:
         raise ExportError(f"the {fmt} format holds EAGLE-3 heads (head=eagle3: fc over three target layers, a "
@@ -375,16 +380,17 @@ def export_head(head: str | Path | DraftHead, fmt: str, out: str | Path, target:
         raise ExportError(f"unknown format {fmt!r}: choose one of {', '.join(FORMATS)}")
     out = Path(out)
     source = str(head) if not isinstance(head, DraftHead) else f"in-memory {head.config.architecture} head"
+    model = load_model(target) if target is not None else None
     if not isinstance(head, DraftHead):
-        head = load_head(head, load_model(target)) if target is not None else read_head(head)
-    elif target is not None:
-        check_target(head.config, load_model(target), "the head")
+        head = load_head(head, model) if model is not None else read_head(head)
+    elif model is not None:
+        check_target(head.config, model, "the head")
     if report is not None:  # the K to serve with, per batch size, travels with the head (the caller's is kept)
         recommended = recommended_k_from_report(report)
         head = copy_head(head)
         head.config = replace(head.config, recommended_k=recommended)
     config = head.config
-    check_exportable(config, fmt)
+    check_exportable(config, fmt, model.config.num_hidden_layers if model is not None else None)
     if fmt == "runtime":
         return save_head(head, out, overwrite=overwrite)
     target_path = str(target) if target is not None else None

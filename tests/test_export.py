@@ -387,6 +387,11 @@ def test_eagle3_exports_refuse_what_they_cannot_hold(stories_model, stories_hf_d
     assert "speculators, 15 tensors" in capsys.readouterr().out
     config = json.loads((tmp_path / "cli" / "config.json").read_text())
     assert config["speculators_config"]["verifier"]["name_or_path"] == str(stories_hf_dir)
+    last = save_head(eagle3_head(stories_model, layer_ids=(1, 3, 5)), tmp_path / "last")  # 5: the last output
+    for fmt in ("eagle3", "speculators"):
+        with pytest.raises(ExportError, match="fuses id 5, the target's last layer's output.*runtime format"):
+            export_head(last, fmt, tmp_path / f"last-{fmt}", target=stories_hf_dir)
+    assert export_head(last, "runtime", tmp_path / "last-runtime", target=stories_hf_dir).is_dir()
 
 
 def test_a_reloaded_eagle3_export_whose_lm_head_is_not_the_targets_rows_is_refused(stories_model, tmp_path):
