@@ -44,26 +44,32 @@ def reference_logits(reference: HFLlama, tokens: torch.Tensor) -> torch.Tensor:
 def run_paged(
     model: LlamaForCausalLM, steps: list[list[torch.Tensor]], page_size: int, aux_layers: tuple[int, ...] = ()
 ) -> list[list]:
-    """steps[s][b]: the tokens sequence b appends in step s; each step is ONE packed forward of all sequences.
-    Returns, per step and sequence, (logits [q_len, V], hidden [q_len, H], aux {layer: [q_len, H]})."""
+    """steps[s][b]: the tokens sequence b appends in step s (none: it sits the step out); each step is ONE packed
+    forward of its sequences. Returns, per step and sequence, (logits [q_len, V], hidden [q_len, H], aux {layer:
+    [q_len, H]}), None for a sequence that sat the step out."""
     num_seqs = len(steps[0])
     pool = PagePool(128, page_size)
     caches = model.allocate_kv_cache(128, page_size, torch.float32, torch.device("cpu"))
     tables = [PageTable(pool) for _ in range(num_seqs)]
     attn = TorchAttention()
     results = []
-    for chunks in steps:
+    for all_chunks in steps:
+        active = [b for b, chunk in enumerate(all_chunks) if len(chunk)]
+        chunks, step_tables = [all_chunks[b] for b in active], [tables[b] for b in active]
         q_lens = [len(chunk) for chunk in chunks]
-        for table, q_len in zip(tables, q_lens):
+        for table, q_len in zip(step_tables, q_lens):
             table.extend(table.num_tokens + q_len)  # sequences grow in turn: their pages interleave
         meta = build_page_metadata(
-            [t.pages for t in tables], q_lens, [t.num_tokens for t in tables], page_size, torch.device("cpu")
+            [t.pages for t in step_tables], q_lens, [t.num_tokens for t in step_tables], page_size, torch.device("cpu")
         )
         attn.plan(meta)
         out = model(torch.cat(chunks), meta.positions, attn, caches, aux_layers=aux_layers)
         logits, hidden = out.logits.split(q_lens), out.hidden_states.split(q_lens)
         aux = {i: h.split(q_lens) for i, h in out.aux_hidden_states.items()}
-        results.append([(logits[b], hidden[b], {i: aux[i][b] for i in aux}) for b in range(num_seqs)])
+        step = [None] * num_seqs
+        for i, b in enumerate(active):
+            step[b] = (logits[i], hidden[i], {layer: aux[layer][i] for layer in aux})
+        results.append(step)
     return results
 
 
@@ -76,7 +82,7 @@ def decode_steps(seqs: list[torch.Tensor], prompt_lens: list[int]) -> list[list[
 
 
 def concat_logits(results: list[list], b: int) -> torch.Tensor:
-    return torch.cat([step[b][0] for step in results])
+    return torch.cat([step[b][0] for step in results if step[b] is not None])
 
 
 def random_tokens(vocab: int, *lengths: int, seed: int) -> list[torch.Tensor]:
@@ -118,6 +124,22 @@ def test_stories_chunked_prefill_equals_one_shot(stories_model, stories_referenc
     assert_close(concat_logits(chunked, 0), one_shot[0][0])
     assert_close(concat_logits(chunked, 0), reference_logits(stories_reference, tokens))
     assert_close(concat_logits(chunked, 1), reference_logits(stories_reference, other))
+
+
+def test_stories_mixed_step_matches_transformers(stories_model, stories_reference):
+    """One step interleaving decodes, cached chunks and fresh prompts, two of them of the same length (one cached,
+    one fresh), then a decode step of all: every sequence's logits are transformers'. TorchAttention attends per
+    query length, so this checks that each group's rows go back to their places in the packed batch."""
+    seqs = random_tokens(512, 9, 11, 4, 5, 10, seed=4)
+    empty = torch.tensor([], dtype=torch.long)
+    steps = [
+        [seqs[0][:8], seqs[1][:6], seqs[2][:3], empty, empty],
+        [seqs[0][8:9], seqs[1][6:10], seqs[2][3:4], seqs[3][:4], seqs[4][:9]],  # q_lens 1, 4, 1, 4 (fresh), 9 (fresh)
+        [seqs[0][9:], seqs[1][10:], seqs[2][4:], seqs[3][4:], seqs[4][9:]],
+    ]
+    results = run_paged(stories_model, steps, page_size=4)
+    for b, tokens in enumerate(seqs):
+        assert_close(concat_logits(results, b), reference_logits(stories_reference, tokens))
 
 
 @torch.no_grad()
