@@ -8,6 +8,8 @@ The KV tensors themselves belong to the models (`model.allocate_kv_cache`), all 
 
 from __future__ import annotations
 
+import array
+import itertools
 from dataclasses import dataclass, field
 
 import torch
@@ -130,43 +132,35 @@ class PageMetadata:
 def build_page_metadata(
     page_lists: list[list[int]], q_lens: list[int], kv_lens: list[int], page_size: int, device: torch.device
 ) -> PageMetadata:
-    """Batch the page tables of one step; Python touches each sequence once, never each token."""
-    qo_indptr = [0]
-    kv_indptr = [0]
-    kv_indices: list[int] = []
-    for pages, kv_len in zip(page_lists, kv_lens):
-        used = pages_needed(kv_len, page_size)
-        kv_indices.extend(pages[:used])
-        kv_indptr.append(kv_indptr[-1] + used)
-    for q_len in q_lens:
-        qo_indptr.append(qo_indptr[-1] + q_len)
-
-    q_lens_t = torch.tensor(q_lens, dtype=torch.int64)
-    kv_lens_t = torch.tensor(kv_lens, dtype=torch.int64)
-    qo_indptr_t = torch.tensor(qo_indptr, dtype=torch.int64)
-    kv_indptr_t = torch.tensor(kv_indptr, dtype=torch.int64)
-    kv_indices_t = torch.tensor(kv_indices, dtype=torch.int64)
-    num_tokens = qo_indptr[-1]
-
-    # Position of each new token: its sequence's cached length plus its index within the sequence's chunk.
-    seq_of_token = torch.repeat_interleave(torch.arange(len(q_lens)), q_lens_t, output_size=num_tokens)
-    offset_in_chunk = torch.arange(num_tokens) - qo_indptr_t[seq_of_token]
-    positions = (kv_lens_t - q_lens_t)[seq_of_token] + offset_in_chunk
-    page_of_token = kv_indices_t[kv_indptr_t[seq_of_token] + positions // page_size]
-    slot_mapping = page_of_token * page_size + positions % page_size
-
-    last_page_len = (kv_lens_t - 1) % page_size + 1
-    i32 = dict(dtype=torch.int32, device=device)
+    """Batch the page tables of one step in Python, touching each sequence and each page of its new tokens once
+    (never each token: ranges are extended in C), into one buffer cut into the fields: at decode batch sizes the
+    two dozen small tensor ops that would compute positions and slots on tensors cost more than these lists."""
+    used = [(kv_len + page_size - 1) // page_size for kv_len in kv_lens]  # pages covering each sequence's kv
+    kv_indices = list(itertools.chain.from_iterable(pages[:n] for pages, n in zip(page_lists, used)))
+    if max(q_lens) == 1:  # decodes: the one new token sits at kv_len - 1
+        positions = [kv_len - 1 for kv_len in kv_lens]
+        slots = [pages[pos // page_size] * page_size + pos % page_size for pages, pos in zip(page_lists, positions)]
+    else:
+        positions, slots = [], []
+        for pages, q_len, kv_len in zip(page_lists, q_lens, kv_lens):
+            first = kv_len - q_len  # slot = pages[pos // page_size] * page_size + pos % page_size, page by page
+            positions.extend(range(first, kv_len))
+            for page in range(first // page_size, (kv_len - 1) // page_size + 1):
+                shift = (pages[page] - page) * page_size
+                slots.extend(range(shift + max(first, page * page_size), shift + min(kv_len, (page + 1) * page_size)))
+    # One buffer for all fields (torch.tensor walks a list element by element, several times slower than array),
+    # cut into views: the int32 indices first, then the int64 positions and slots.
+    index_fields = ([0, *itertools.accumulate(q_lens)], [0, *itertools.accumulate(used)], kv_indices,
+                    [kv_len - (n - 1) * page_size for kv_len, n in zip(kv_lens, used)], kv_lens)
+    buffer = array.array("q", itertools.chain(*index_fields, positions, slots))
+    flat = torch.frombuffer(buffer, dtype=torch.int64)  # shares (and keeps alive) the array's memory
+    num_index = sum(map(len, index_fields))
+    indices = flat[:num_index].to(device=device, dtype=torch.int32).split_with_sizes([len(f) for f in index_fields])
+    qo_indptr, kv_indptr, kv_indices_t, last_page_len, kv_lens_t = indices
+    positions_t, slots_t = flat[num_index:].to(device).split_with_sizes([len(positions), len(slots)])
     return PageMetadata(
-        qo_indptr=qo_indptr_t.to(**i32),
-        kv_indptr=kv_indptr_t.to(**i32),
-        kv_indices=kv_indices_t.to(**i32),
-        kv_last_page_len=last_page_len.to(**i32),
-        kv_lens=kv_lens_t.to(**i32),
-        positions=positions.to(device),
-        slot_mapping=slot_mapping.to(device),
-        page_size=page_size,
-        max_q_len=max(q_lens),
+        qo_indptr=qo_indptr, kv_indptr=kv_indptr, kv_indices=kv_indices_t, kv_last_page_len=last_page_len,
+        kv_lens=kv_lens_t, positions=positions_t, slot_mapping=slots_t, page_size=page_size, max_q_len=max(q_lens),
         max_kv_len=max(kv_lens),
     )
 
