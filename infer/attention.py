@@ -15,6 +15,7 @@ called by every layer. Two attention kinds are served:
 from __future__ import annotations
 
 import importlib.util
+from functools import cached_property
 from typing import Protocol
 
 import torch
@@ -76,37 +77,49 @@ class _Group:
     Keys are padded to the group's longest kv length only (not the step's), so a long prefill chunk never pads the
     decodes beside it. Built once per step in `TorchAttention.plan`; every layer reuses it.
       rows       [n * q_len] the group's query rows in the packed batch, None when it is the whole batch in order
-      read_slots [n * max_kv] token slots of each sequence's keys, padding clamped to a valid slot (masked)
+      read_pages [n, max_kv] the page of each sequence's keys, padding clamped to a valid page (masked)
       mask       [n, 1, q_len, max_kv] the keys each query sees, None when it sees them all
     """
 
     def __init__(self, meta: PageMetadata, seqs: torch.Tensor | None, q_len: int, kv_lens: list[int]) -> None:
         """seqs: the group's sequences (None: all, in order); kv_lens: their kv lengths."""
         device = meta.positions.device
-        page_size = meta.page_size
+        self.page_size = page_size = meta.page_size
         self.q_len, self.num_seqs = q_len, len(kv_lens)
-        qo_start = meta.qo_indptr.long()[:-1]
-        kv_lens_t, kv_start = meta.kv_lens.long(), meta.kv_indptr.long()[:-1]
+        # int32 metadata indexes and promotes to int64 as it meets the int64 aranges: no casts needed.
+        kv_lens_t, kv_start = meta.kv_lens, meta.kv_indptr[:-1]
         if seqs is None:
             self.rows = None
         else:
-            qo_start, kv_lens_t, kv_start = qo_start[seqs], kv_lens_t[seqs], kv_start[seqs]
-            self.rows = (qo_start[:, None] + torch.arange(q_len, device=device)).flatten()
+            kv_lens_t, kv_start = kv_lens_t[seqs], kv_start[seqs]
+            self.rows = (meta.qo_indptr[:-1][seqs, None] + torch.arange(q_len, device=device)).flatten()
         # Prompts with nothing cached (a fresh prefill, the feature precompute): SDPA's causal kernel over the chunk's
         # own keys; no cache read, no explicit mask.
         self.fresh = q_len > 1 and all(kv_len == q_len for kv_len in kv_lens)
-        self.read_slots = self.kv_read = self.mask = None
+        self.mask = None
         if self.fresh:
             return
         max_kv = max(kv_lens)
         kv_pos = torch.arange(max_kv, device=device)
         page_slot = (kv_start[:, None] + kv_pos[None, :] // page_size).clamp_(max=max(meta.kv_indices.shape[0] - 1, 0))
-        self.read_slots = (meta.kv_indices.long()[page_slot] * page_size + kv_pos % page_size).flatten()
+        self.read_pages = meta.kv_indices[page_slot]  # [n, max_kv] the page of each key (padding: a valid one)
+        self.read_offsets = kv_pos % page_size  # [max_kv] its offset in the page
         self.read_shape = (self.num_seqs, max_kv)
         # Causal mask: query j of sequence b sits at position kv_len - q_len + j and sees keys up to it.
         if q_len > 1 or min(kv_lens) < max_kv:
             q_pos = (kv_lens_t - q_len)[:, None] + torch.arange(q_len, device=device)[None, :]  # [n, q_len]
             self.mask = (kv_pos[None, None, :] <= q_pos[:, :, None])[:, None]  # [n, 1, q_len, max_kv]
+
+    @cached_property
+    def kv_read(self) -> torch.Tensor:
+        """[2 * n * max_kv] rows of a K/V cache's flat view (see kv_rows): K of every key, then V."""
+        k_rows = (self.read_pages * (2 * self.page_size) + self.read_offsets).flatten()
+        return torch.cat((k_rows, k_rows + self.page_size))
+
+    @cached_property
+    def read_slots(self) -> torch.Tensor:
+        """[n * max_kv] token slots of every key (MLA caches are indexed by them)."""
+        return (self.read_pages * self.page_size + self.read_offsets).flatten()
 
     def queries(self, x: torch.Tensor) -> torch.Tensor:
         """[T, H, D] packed -> [n, H, q_len, D]."""
@@ -147,8 +160,8 @@ class TorchAttention:
 
     def plan(self, meta: PageMetadata) -> None:
         # Caches are read and written through flat views with index_copy_/index_select (one kernel each, far
-        # cheaper than multi-dimensional indexing), at token slots; K/V rows are derived from the slots on the
-        # first K/V layer of the step (see kv_rows), so a model pays only for the cache layout it has.
+        # cheaper than multi-dimensional indexing); the rows are derived on the step's first layer (kv_rows for the
+        # writes, _Group.kv_read / read_slots for the reads), so a model pays only for the cache layout it has.
         self.page_size = meta.page_size
         self.write_slots = meta.slot_mapping
         self.kv_write = None
@@ -178,8 +191,6 @@ class TorchAttention:
     ) -> torch.Tensor:
         if self.kv_write is None:  # the step's first K/V layer
             self.kv_write = kv_rows(self.write_slots, self.page_size)
-            for group in self.groups:
-                group.kv_read = None if group.fresh else kv_rows(group.read_slots, self.page_size)
         flat = write_kv(kv_cache, self.kv_write, k, v)
         outs = []
         for group in self.groups:
