@@ -71,31 +71,49 @@ def write_mla(cache: torch.Tensor, rows: torch.Tensor, values: torch.Tensor) -> 
     return flat
 
 
-class _Group:
-    """Sequences of one step that share a query length, attended as one batch: no query is padded.
+SHORT_QUERIES = 8  # query lengths up to this (decodes, verify rows, catch-ups) share one padded group
 
-    Keys are padded to the group's longest kv length only (not the step's), so a long prefill chunk never pads the
-    decodes beside it. Built once per step in `TorchAttention.plan`; every layer reuses it.
-      rows       [n * q_len] the group's query rows in the packed batch, None when it is the whole batch in order
+
+class _Group:
+    """Sequences of one step attended as one batch, keys padded to the group's longest kv length only.
+
+    `TorchAttention.plan` groups a step's sequences: all short ones (q_len <= SHORT_QUERIES) together, queries padded
+    to the longest (a few rows: cheaper than another SDPA call), and each longer query length on its own, unpadded,
+    so a long prefill chunk never pads the decodes beside it. Built once per step; every layer reuses it.
+      rows       [n * q_len] the group's query rows in the packed batch (padding: any valid row), None when the group
+                 is the whole batch in order, unpadded
+      out_rows   [sum q_lens] where the group's outputs go in the packed batch
       read_pages [n, max_kv] the page of each sequence's keys, padding clamped to a valid page (masked)
       mask       [n, 1, q_len, max_kv] the keys each query sees, None when it sees them all
     """
 
-    def __init__(self, meta: PageMetadata, seqs: torch.Tensor | None, q_len: int, kv_lens: list[int]) -> None:
-        """seqs: the group's sequences (None: all, in order); kv_lens: their kv lengths."""
+    def __init__(self, meta: PageMetadata, seqs: torch.Tensor | None, q_lens: list[int], kv_lens: list[int]) -> None:
+        """seqs: the group's sequences (None: all, in order); q_lens, kv_lens: theirs."""
         device = meta.positions.device
         self.page_size = page_size = meta.page_size
-        self.q_len, self.num_seqs = q_len, len(kv_lens)
+        q_len = self.q_len = max(q_lens)
+        self.num_seqs = len(kv_lens)
         # int32 metadata indexes and promotes to int64 as it meets the int64 aranges: no casts needed.
-        kv_lens_t, kv_start = meta.kv_lens, meta.kv_indptr[:-1]
-        if seqs is None:
-            self.rows = None
+        kv_lens_t, kv_start, qo_start = meta.kv_lens, meta.kv_indptr[:-1], meta.qo_indptr[:-1]
+        if seqs is not None:
+            kv_lens_t, kv_start, qo_start = kv_lens_t[seqs], kv_start[seqs], qo_start[seqs]
+        q_pos = torch.arange(q_len, device=device)
+        self.q_valid = self.rows = None
+        if min(q_lens) < q_len:  # padded
+            q_lens_t = (meta.qo_indptr[1:] - meta.qo_indptr[:-1]) if seqs is None else torch.tensor(q_lens, device=device)
+            self.q_valid = q_pos[None, :] < q_lens_t[:, None]  # [n, q_len]
+            q_rows = qo_start[:, None] + q_pos
+            self.out_rows = q_rows[self.q_valid]
+            self.rows = q_rows.clamp_(max=meta.num_tokens - 1).flatten()
+            kv_first = kv_lens_t - q_lens_t  # padded queries see their sequence's keys (outputs dropped)
         else:
-            kv_lens_t, kv_start = kv_lens_t[seqs], kv_start[seqs]
-            self.rows = (meta.qo_indptr[:-1][seqs, None] + torch.arange(q_len, device=device)).flatten()
+            if seqs is not None:
+                self.rows = self.out_rows = (qo_start[:, None] + q_pos).flatten()
+            kv_first = kv_lens_t - q_len
         # Prompts with nothing cached (a fresh prefill, the feature precompute): SDPA's causal kernel over the chunk's
-        # own keys; no cache read, no explicit mask.
-        self.fresh = q_len > 1 and all(kv_len == q_len for kv_len in kv_lens)
+        # own keys; no cache read, no explicit mask (a padded query's keys are garbage rows past its chunk, its
+        # output dropped).
+        self.fresh = q_len > 1 and all(kv == q for kv, q in zip(kv_lens, q_lens))
         self.mask = None
         if self.fresh:
             return
@@ -107,8 +125,8 @@ class _Group:
         self.read_shape = (self.num_seqs, max_kv)
         # Causal mask: query j of sequence b sits at position kv_len - q_len + j and sees keys up to it.
         if q_len > 1 or min(kv_lens) < max_kv:
-            q_pos = (kv_lens_t - q_len)[:, None] + torch.arange(q_len, device=device)[None, :]  # [n, q_len]
-            self.mask = (kv_pos[None, None, :] <= q_pos[:, :, None])[:, None]  # [n, 1, q_len, max_kv]
+            visible_to = kv_first[:, None] + q_pos[None, :]  # [n, q_len]
+            self.mask = (kv_pos[None, None, :] <= visible_to[:, :, None])[:, None]  # [n, 1, q_len, max_kv]
 
     @cached_property
     def kv_read(self) -> torch.Tensor:
@@ -128,7 +146,9 @@ class _Group:
         return x.view(self.num_seqs, self.q_len, *x.shape[1:]).transpose(1, 2)
 
     def unpad(self, out: torch.Tensor) -> torch.Tensor:
-        """[n, H, q_len, D] -> [n * q_len, H, D]."""
+        """[n, H, q_len, D] -> [sum q_lens, H, D]."""
+        if self.q_valid is not None:
+            return out.transpose(1, 2)[self.q_valid]
         return out.transpose(1, 2).reshape(-1, *out.shape[1:2], out.shape[-1])
 
     def attend_cached(self, q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, scale: float) -> torch.Tensor:
@@ -150,12 +170,11 @@ class _Group:
 
 
 class TorchAttention:
-    """Paged attention in plain PyTorch: per query length, gather the sequences' keys into a batch, then SDPA.
+    """Paged attention in plain PyTorch: per group of query lengths (see _Group), gather the sequences' keys into
+    a batch, then SDPA.
 
     Everything that depends only on the page tables (groups, gather indices, masks) is built in `plan`, once per
-    step, so each layer costs one scatter, and per group one gather and one SDPA call. Grouping by query length
-    keeps a mixed batch (decodes, verify rows, prefill chunks) free of padded queries, and each group's keys are
-    padded only to its own longest sequence.
+    step, so each layer costs one scatter, and per group one gather and one SDPA call.
     """
 
     def plan(self, meta: PageMetadata) -> None:
@@ -165,19 +184,42 @@ class TorchAttention:
         self.page_size = meta.page_size
         self.write_slots = meta.slot_mapping
         self.kv_write = None
+        if meta.decode_run is not None:
+            self._plan_decode_step(meta)
+            return
         batch = meta.batch_size
         kv_lens = meta.kv_lens.tolist()  # the plan's one host read (two with prefill chunks or verify rows)
         q_lens = [1] * batch if meta.max_q_len == 1 else (meta.qo_indptr[1:] - meta.qo_indptr[:-1]).tolist()
-        by_len: dict[int, list[int]] = {}
+        by_key: dict[int, list[int]] = {}  # 0: the short queries, else the query length
         for b, q_len in enumerate(q_lens):
-            by_len.setdefault(q_len, []).append(b)
-        if len(by_len) == 1:
-            self.groups = [_Group(meta, None, q_lens[0], kv_lens)]
+            by_key.setdefault(q_len if q_len > SHORT_QUERIES else 0, []).append(b)
+        if len(by_key) == 1:
+            self.groups = [_Group(meta, None, q_lens, kv_lens)]
             return
         device = meta.positions.device
-        self.groups = [_Group(meta, torch.tensor(seqs, device=device), q_len, [kv_lens[b] for b in seqs])
-                       for q_len, seqs in by_len.items()]
-        self.out_rows = torch.cat([g.rows for g in self.groups])  # where each group's output goes
+        self.groups = [_Group(meta, torch.tensor(seqs, device=device), [q_lens[b] for b in seqs],
+                              [kv_lens[b] for b in seqs]) for seqs in by_key.values()]
+        self.out_rows = torch.cat([g.out_rows for g in self.groups])  # where each group's outputs go
+
+    def _plan_decode_step(self, meta: PageMetadata) -> None:
+        """Step j of a DecodeSteps run (the draft forwards): its first step plans every step.
+
+        All steps read the keys of the run's last step (the longest: each sequence's pages up to it) and mask the
+        positions step j has not written yet: one gather plan and one mask build for the run instead of one per step.
+        """
+        run = meta.decode_run
+        if run is not getattr(self, "_run", None):
+            self._run = run
+            last = run.step(run.num_steps - 1)
+            self._run_group = _Group(last, None, [1] * last.batch_size, run.kv_lens[-1].tolist())
+            kv_pos = torch.arange(self._run_group.read_shape[1], device=meta.positions.device)
+            self._run_masks = (kv_pos < run.kv_lens[:, :, None])[:, :, None, None, :]  # [S, B, 1, 1, max_kv]
+            k_rows = run.slots + (run.slots // run.page_size) * run.page_size  # [S, B] as kv_rows
+            self._run_writes = torch.stack((k_rows, k_rows + run.page_size), dim=1).flatten(1)  # [S, 2B]
+        group = self._run_group
+        group.mask = self._run_masks[meta.decode_step]
+        self.kv_write = self._run_writes[meta.decode_step]
+        self.groups = [group]
 
     def _gather(self, outs: list[torch.Tensor]) -> torch.Tensor:
         """The groups' outputs [n * q_len, H, D] -> [T, H, D] in packed order."""

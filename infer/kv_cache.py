@@ -107,6 +107,7 @@ class PageMetadata:
       kv_lens          [B]   int32  KV length after this step's tokens are appended
       positions        [T]   int64  position of every new token
       slot_mapping     [T]   int64  page * page_size + offset where every new token's KV goes
+    A step of a `DecodeSteps` run names it (decode_run, decode_step): a backend may plan the whole run at once.
     """
 
     qo_indptr: torch.Tensor
@@ -119,6 +120,8 @@ class PageMetadata:
     page_size: int
     max_q_len: int
     max_kv_len: int
+    decode_run: DecodeSteps | None = field(default=None, repr=False, compare=False)
+    decode_step: int = 0
 
     @property
     def batch_size(self) -> int:
@@ -192,11 +195,12 @@ class DecodeSteps:
         self.kv_indptr = torch.cat((used.new_zeros(num_steps, 1), used.cumsum(1)), dim=1).to(**i32)  # [S, B+1]
         self.kv_indices = kv_indices.to(**i32).split(pages_per_step.tolist())  # S pieces
         self.qo_indptr = torch.arange(len(first_positions) + 1, dtype=torch.int32, device=device)
-        self.first_max, self.page_size = max(first_positions), page_size
+        self.first_max, self.page_size, self.num_steps = max(first_positions), page_size, num_steps
 
     def step(self, j: int) -> PageMetadata:
         return PageMetadata(
             qo_indptr=self.qo_indptr, kv_indptr=self.kv_indptr[j], kv_indices=self.kv_indices[j],
             kv_last_page_len=self.last_page_len[j], kv_lens=self.kv_lens[j], positions=self.positions[j],
             slot_mapping=self.slots[j], page_size=self.page_size, max_q_len=1, max_kv_len=self.first_max + j + 1,
+            decode_run=self, decode_step=j,
         )

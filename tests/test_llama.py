@@ -16,7 +16,7 @@ from transformers import GPT2Config, LlamaConfig
 from transformers import LlamaForCausalLM as HFLlama
 
 from infer.attention import TorchAttention
-from infer.kv_cache import PagePool, PageTable, build_page_metadata
+from infer.kv_cache import DecodeSteps, PagePool, PageTable, build_page_metadata
 from infer.loader import ModelLoadError, load_model
 from infer.models.llama import LlamaForCausalLM
 
@@ -127,19 +127,47 @@ def test_stories_chunked_prefill_equals_one_shot(stories_model, stories_referenc
 
 
 def test_stories_mixed_step_matches_transformers(stories_model, stories_reference):
-    """One step interleaving decodes, cached chunks and fresh prompts, two of them of the same length (one cached,
-    one fresh), then a decode step of all: every sequence's logits are transformers'. TorchAttention attends per
-    query length, so this checks that each group's rows go back to their places in the packed batch."""
-    seqs = random_tokens(512, 9, 11, 4, 5, 10, seed=4)
+    """One step interleaving decodes, cached chunks and fresh prompts (a long one between short ones; two short ones
+    of the same length, one cached, one fresh), then a decode step of all: every sequence's logits are transformers'.
+    TorchAttention attends the short and the long queries in separate groups, so this checks that each group's rows
+    go back to their places in the packed batch."""
+    seqs = random_tokens(512, 9, 10, 11, 4, 5, seed=4)
     empty = torch.tensor([], dtype=torch.long)
     steps = [
-        [seqs[0][:8], seqs[1][:6], seqs[2][:3], empty, empty],
-        [seqs[0][8:9], seqs[1][6:10], seqs[2][3:4], seqs[3][:4], seqs[4][:9]],  # q_lens 1, 4, 1, 4 (fresh), 9 (fresh)
-        [seqs[0][9:], seqs[1][10:], seqs[2][4:], seqs[3][4:], seqs[4][9:]],
+        [seqs[0][:8], empty, seqs[2][:6], seqs[3][:3], empty],
+        [seqs[0][8:9], seqs[1][:9], seqs[2][6:10], seqs[3][3:4], seqs[4][:4]],  # q_lens 1, 9 (fresh), 4, 1, 4 (fresh)
+        [empty, seqs[1][9:], seqs[2][10:], empty, seqs[4][4:]],
     ]
     results = run_paged(stories_model, steps, page_size=4)
     for b, tokens in enumerate(seqs):
         assert_close(concat_logits(results, b), reference_logits(stories_reference, tokens))
+
+
+@torch.no_grad()
+def test_stories_decode_run_planned_once_matches_transformers(stories_model, stories_reference):
+    """The draft forwards' DecodeSteps run: TorchAttention plans it on its first step (every step reads the keys of
+    the last and masks the positions not yet written) and each step still gives transformers' logits, although the
+    cache past every sequence holds garbage."""
+    prompt_lens, num_steps, page_size = [5, 12, 3], 4, 4
+    seqs = random_tokens(512, *(n + num_steps for n in prompt_lens), seed=5)
+    pool = PagePool(64, page_size)
+    caches = [c.normal_(0, 30) for c in stories_model.allocate_kv_cache(64, page_size, torch.float32, torch.device("cpu"))]
+    tables = [PageTable(pool) for _ in seqs]
+    for table, n in zip(tables, prompt_lens):
+        table.extend(n + num_steps)
+    attn = TorchAttention()
+    prefill = build_page_metadata([t.pages for t in tables], prompt_lens, prompt_lens, page_size, torch.device("cpu"))
+    attn.plan(prefill)
+    logits = [stories_model(torch.cat([s[:n] for s, n in zip(seqs, prompt_lens)]), prefill.positions, attn, caches)
+              .logits.split(prompt_lens)]
+    run = DecodeSteps([t.pages for t in tables], prompt_lens, num_steps, page_size, torch.device("cpu"))
+    for j in range(num_steps):
+        meta = run.step(j)
+        attn.plan(meta)
+        ids = torch.stack([s[n + j] for s, n in zip(seqs, prompt_lens)])
+        logits.append(stories_model(ids, meta.positions, attn, caches).logits.split(1))
+    for b, tokens in enumerate(seqs):
+        assert_close(torch.cat([step[b] for step in logits]), reference_logits(stories_reference, tokens))
 
 
 @torch.no_grad()
