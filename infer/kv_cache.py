@@ -172,29 +172,32 @@ class DecodeSteps:
     """The metadata of successive one-token forwards over fixed page tables, built once for all of them.
 
     Draft forwards are such a run: step j writes position first[b] + j of every sequence, so positions advance by
-    one and kv lengths follow. Every step's tensors are computed here in one batch of tensor ops over a padded
-    [B, P] page table ([S, B] for positions and lengths, S steps), with one host read (the steps' page counts, to
-    split kv_indices); `step(j)` then only slices them. Each step equals what `build_page_metadata` gives for it.
+    one and kv lengths follow. Every step's fields are listed here in one pass and cut from one buffer (as in
+    `build_page_metadata`, without a host read): [S, B] for positions, slots and lengths, S steps; `step(j)` then only
+    slices them. Each step equals what `build_page_metadata` gives for it.
     """
 
     def __init__(self, page_lists: list[list[int]], first_positions: list[int], num_steps: int, page_size: int,
                  device: torch.device) -> None:
-        width = max(pages_needed(p + num_steps, page_size) for p in first_positions)
-        rows = [pages[:width] + [0] * (width - len(pages[:width])) for pages in page_lists]
-        table = torch.tensor(rows, dtype=torch.int64, device=device)  # [B, P]
-        first = torch.tensor(first_positions, dtype=torch.int64, device=device)  # [B]
-        positions = first[None, :] + torch.arange(num_steps, device=device)[:, None]  # [S, B] the one new token each
-        kv_lens = positions + 1
-        used = (kv_lens + page_size - 1) // page_size  # [S, B] pages covering kv_lens
-        kv_indices = table[None].expand(num_steps, -1, -1)[torch.arange(width, device=device) < used[..., None]]
-        pages_per_step = used.sum(1)
-        slots = table.gather(1, (positions // page_size).T).T * page_size + positions % page_size  # [S, B]
-        i32 = dict(dtype=torch.int32)
-        self.positions, self.slots = positions, slots
-        self.kv_lens, self.last_page_len = kv_lens.to(**i32), ((kv_lens - 1) % page_size + 1).to(**i32)
-        self.kv_indptr = torch.cat((used.new_zeros(num_steps, 1), used.cumsum(1)), dim=1).to(**i32)  # [S, B+1]
-        self.kv_indices = kv_indices.to(**i32).split(pages_per_step.tolist())  # S pieces
-        self.qo_indptr = torch.arange(len(first_positions) + 1, dtype=torch.int32, device=device)
+        batch = len(first_positions)
+        positions = [[first + j for first in first_positions] for j in range(num_steps)]
+        used = [[pos // page_size + 1 for pos in row] for row in positions]  # pages covering kv_len = pos + 1
+        kv_indices = [list(itertools.chain.from_iterable(pages[:n] for pages, n in zip(page_lists, row))) for row in used]
+        fields32 = (list(range(batch + 1)),  # qo_indptr, shared by the steps
+                    [i for row in used for i in (0, *itertools.accumulate(row))],  # kv_indptr [S, B+1]
+                    [pos % page_size + 1 for row in positions for pos in row],  # kv_last_page_len [S, B]
+                    [pos + 1 for row in positions for pos in row],  # kv_lens [S, B]
+                    list(itertools.chain.from_iterable(kv_indices)))
+        slots = [pages[pos // page_size] * page_size + pos % page_size
+                 for row in positions for pages, pos in zip(page_lists, row)]
+        flat = torch.frombuffer(array.array("q", itertools.chain(*fields32, *positions, slots)), dtype=torch.int64)
+        num32 = sum(map(len, fields32))
+        qo_indptr, kv_indptr, last_page_len, kv_lens, indices = flat[:num32].to(
+            device=device, dtype=torch.int32).split_with_sizes([len(f) for f in fields32])
+        self.qo_indptr, self.kv_indptr = qo_indptr, kv_indptr.view(num_steps, batch + 1)
+        self.last_page_len, self.kv_lens = last_page_len.view(num_steps, batch), kv_lens.view(num_steps, batch)
+        self.kv_indices = indices.split_with_sizes([len(row) for row in kv_indices])  # S pieces
+        self.positions, self.slots = flat[num32:].to(device).view(2, num_steps, batch).unbind()  # [S, B] each
         self.first_max, self.page_size, self.num_steps = max(first_positions), page_size, num_steps
 
     def step(self, j: int) -> PageMetadata:
