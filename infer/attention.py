@@ -8,13 +8,14 @@ called by every layer. Two attention kinds are served:
                   by W_UK, keys are [compressed latent ; rope key] shared by all heads, values are the latent.
                   Caches: ckv [num_pages, page_size, kv_lora_rank] and kpe [num_pages, page_size, rope_dim]
                   (FlashInfer's MLA layout).
-`TorchAttention` gathers pages into padded batches and calls SDPA (CPU, tests); `FlashInferAttention` runs
-FlashInfer's paged kernels (GPU), imported only when chosen.
+`TorchAttention` groups a step's sequences by query length, gathers each group's keys into a batch and calls SDPA
+(CPU, tests); `FlashInferAttention` runs FlashInfer's paged kernels (GPU), imported only when chosen.
 """
 
 from __future__ import annotations
 
 import importlib.util
+from functools import cached_property
 from typing import Protocol
 
 import torch
@@ -70,86 +71,181 @@ def write_mla(cache: torch.Tensor, rows: torch.Tensor, values: torch.Tensor) -> 
     return flat
 
 
-class TorchAttention:
-    """Paged attention in plain PyTorch: gather each sequence's pages into a padded batch, then SDPA.
+SHORT_QUERIES = 8  # query lengths up to this (decodes, verify rows, catch-ups) share one padded group
 
-    Everything that depends only on the page tables (gather indices, padding, masks) is built in `plan`,
-    once per step, so each layer costs one scatter, one gather and one SDPA call.
+
+class _Group:
+    """Sequences of one step attended as one batch, keys padded to the group's longest kv length only.
+
+    `TorchAttention.plan` groups a step's sequences: all short ones (q_len <= SHORT_QUERIES) together, queries padded
+    to the longest (a few rows: cheaper than another SDPA call), and each longer query length on its own, unpadded,
+    so a long prefill chunk never pads the decodes beside it. Built once per step; every layer reuses it.
+      rows       [n * q_len] the group's query rows in the packed batch (padding: any valid row), None when the group
+                 is the whole batch in order, unpadded
+      out_rows   [sum q_lens] where the group's outputs go in the packed batch
+      read_pages [n, max_kv] the page of each sequence's keys, padding clamped to a valid page (masked)
+      mask       [n, 1, q_len, max_kv] the keys each query sees, None when it sees them all
+    """
+
+    def __init__(self, meta: PageMetadata, seqs: torch.Tensor | None, q_lens: list[int], kv_lens: list[int]) -> None:
+        """seqs: the group's sequences (None: all, in order); q_lens, kv_lens: theirs."""
+        device = meta.positions.device
+        self.page_size = page_size = meta.page_size
+        q_len = self.q_len = max(q_lens)
+        self.num_seqs = len(kv_lens)
+        # int32 metadata indexes and promotes to int64 as it meets the int64 aranges: no casts needed.
+        kv_lens_t, kv_start, qo_start = meta.kv_lens, meta.kv_indptr[:-1], meta.qo_indptr[:-1]
+        if seqs is not None:
+            kv_lens_t, kv_start, qo_start = kv_lens_t[seqs], kv_start[seqs], qo_start[seqs]
+        q_pos = torch.arange(q_len, device=device)
+        self.q_valid = self.rows = None
+        if min(q_lens) < q_len:  # padded
+            q_lens_t = (meta.qo_indptr[1:] - meta.qo_indptr[:-1]) if seqs is None else torch.tensor(q_lens, device=device)
+            self.q_valid = q_pos[None, :] < q_lens_t[:, None]  # [n, q_len]
+            q_rows = qo_start[:, None] + q_pos
+            self.out_rows = q_rows[self.q_valid]
+            self.rows = q_rows.clamp_(max=meta.num_tokens - 1).flatten()
+            kv_first = kv_lens_t - q_lens_t  # padded queries see their sequence's keys (outputs dropped)
+        else:
+            if seqs is not None:
+                self.rows = self.out_rows = (qo_start[:, None] + q_pos).flatten()
+            kv_first = kv_lens_t - q_len
+        # Prompts with nothing cached (a fresh prefill, the feature precompute): SDPA's causal kernel over the chunk's
+        # own keys; no cache read, no explicit mask (a padded query's keys are garbage rows past its chunk, its
+        # output dropped).
+        self.fresh = q_len > 1 and all(kv == q for kv, q in zip(kv_lens, q_lens))
+        self.mask = None
+        if self.fresh:
+            return
+        max_kv = max(kv_lens)
+        kv_pos = torch.arange(max_kv, device=device)
+        page_slot = (kv_start[:, None] + kv_pos[None, :] // page_size).clamp_(max=max(meta.kv_indices.shape[0] - 1, 0))
+        self.read_pages = meta.kv_indices[page_slot]  # [n, max_kv] the page of each key (padding: a valid one)
+        self.read_offsets = kv_pos % page_size  # [max_kv] its offset in the page
+        self.read_shape = (self.num_seqs, max_kv)
+        # Causal mask: query j of sequence b sits at position kv_len - q_len + j and sees keys up to it.
+        if q_len > 1 or min(kv_lens) < max_kv:
+            visible_to = kv_first[:, None] + q_pos[None, :]  # [n, q_len]
+            self.mask = (kv_pos[None, None, :] <= visible_to[:, :, None])[:, None]  # [n, 1, q_len, max_kv]
+
+    @cached_property
+    def kv_read(self) -> torch.Tensor:
+        """[2 * n * max_kv] rows of a K/V cache's flat view (see kv_rows): K of every key, then V."""
+        k_rows = (self.read_pages * (2 * self.page_size) + self.read_offsets).flatten()
+        return torch.cat((k_rows, k_rows + self.page_size))
+
+    @cached_property
+    def read_slots(self) -> torch.Tensor:
+        """[n * max_kv] token slots of every key (MLA caches are indexed by them)."""
+        return (self.read_pages * self.page_size + self.read_offsets).flatten()
+
+    def queries(self, x: torch.Tensor) -> torch.Tensor:
+        """[T, H, D] packed -> [n, H, q_len, D]."""
+        if self.rows is not None:
+            x = x.index_select(0, self.rows)
+        return x.view(self.num_seqs, self.q_len, *x.shape[1:]).transpose(1, 2)
+
+    def unpad(self, out: torch.Tensor) -> torch.Tensor:
+        """[n, H, q_len, D] -> [sum q_lens, H, D]."""
+        if self.q_valid is not None:
+            return out.transpose(1, 2)[self.q_valid]
+        return out.transpose(1, 2).reshape(-1, *out.shape[1:2], out.shape[-1])
+
+    def attend_cached(self, q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, scale: float) -> torch.Tensor:
+        """q [T, H, Dk] packed, keys [n, Hkv, max_kv, Dk], values [n, Hkv, max_kv, Dv] -> [n * q_len, H, Dv].
+
+        Decodes fold the H / Hkv query heads that share a KV head into its query rows ([n, Hkv, H / Hkv, Dk], a
+        view): one SDPA call without GQA walks half as many (sequence, head) blocks at H / Hkv = 2 and reads each
+        key once per KV head, not once per query head.
+        """
+        if self.q_len > 1:
+            out = F.scaled_dot_product_attention(self.queries(q), keys, values, attn_mask=self.mask, scale=scale,
+                                                 enable_gqa=True)
+            return self.unpad(out)
+        if self.rows is not None:
+            q = q.index_select(0, self.rows)
+        folded = q.view(self.num_seqs, keys.shape[1], -1, q.shape[-1])
+        out = F.scaled_dot_product_attention(folded, keys, values, attn_mask=self.mask, scale=scale)
+        return out.view(self.num_seqs, q.shape[1], -1)
+
+
+class TorchAttention:
+    """Paged attention in plain PyTorch: per group of query lengths (see _Group), gather the sequences' keys into
+    a batch, then SDPA.
+
+    Everything that depends only on the page tables (groups, gather indices, masks) is built in `plan`, once per
+    step, so each layer costs one scatter, and per group one gather and one SDPA call.
     """
 
     def plan(self, meta: PageMetadata) -> None:
-        device = meta.positions.device
-        page_size = meta.page_size
-        batch, max_q, max_kv = meta.batch_size, meta.max_q_len, meta.max_kv_len
-        q_lens = (meta.qo_indptr[1:] - meta.qo_indptr[:-1]).long()
-        kv_lens = meta.kv_lens.long()
-
         # Caches are read and written through flat views with index_copy_/index_select (one kernel each, far
-        # cheaper than multi-dimensional indexing), at token slots; K/V rows are derived from the slots on the
-        # first K/V layer of the step (see kv_rows), so a model pays only for the cache layout it has.
-        self.page_size = page_size
+        # cheaper than multi-dimensional indexing); the rows are derived on the step's first layer (kv_rows for the
+        # writes, _Group.kv_read / read_slots for the reads), so a model pays only for the cache layout it has.
+        self.page_size = meta.page_size
         self.write_slots = meta.slot_mapping
-        self.kv_write = self.kv_read = None
-
-        # Packed queries -> padded [B, max_q]: decode-only batches (max_q == 1) need no padding at all.
-        self.decode_only = max_q == 1
-        if not self.decode_only:
-            q_idx = meta.qo_indptr.long()[:-1, None] + torch.arange(max_q, device=device)[None, :]
-            self.q_valid = torch.arange(max_q, device=device)[None, :] < q_lens[:, None]  # [B, max_q]
-            self.q_gather = q_idx.clamp_(max=meta.num_tokens - 1)
-
-        # Prompts with nothing cached (a fresh prefill, the feature precompute): attend over this step's own
-        # keys with SDPA's causal kernel; no cache read, no explicit mask.
-        self.fresh_prefill = not self.decode_only and bool((q_lens == kv_lens).all())
-        if self.fresh_prefill:
+        self.kv_write = None
+        if meta.decode_run is not None:
+            self._plan_decode_step(meta)
             return
+        batch = meta.batch_size
+        kv_lens = meta.kv_lens.tolist()  # the plan's one host read (two with prefill chunks or verify rows)
+        q_lens = [1] * batch if meta.max_q_len == 1 else (meta.qo_indptr[1:] - meta.qo_indptr[:-1]).tolist()
+        by_key: dict[int, list[int]] = {}  # 0: the short queries, else the query length
+        for b, q_len in enumerate(q_lens):
+            by_key.setdefault(q_len if q_len > SHORT_QUERIES else 0, []).append(b)
+        if len(by_key) == 1:
+            self.groups = [_Group(meta, None, q_lens, kv_lens)]
+            return
+        device = meta.positions.device
+        self.groups = [_Group(meta, torch.tensor(seqs, device=device), [q_lens[b] for b in seqs],
+                              [kv_lens[b] for b in seqs]) for seqs in by_key.values()]
+        self.out_rows = torch.cat([g.out_rows for g in self.groups])  # where each group's outputs go
 
-        # Each sequence's keys, padded to max_kv (padding clamped to a valid page and masked below).
-        kv_pos = torch.arange(max_kv, device=device)
-        page_slot = meta.kv_indptr.long()[:-1, None] + kv_pos[None, :] // page_size
-        page_slot = page_slot.clamp_(max=max(meta.kv_indices.shape[0] - 1, 0))
-        self.read_slots = (meta.kv_indices.long()[page_slot] * page_size + kv_pos % page_size).flatten()  # [B*max_kv]
-        self.read_shape = (batch, max_kv)
+    def _plan_decode_step(self, meta: PageMetadata) -> None:
+        """Step j of a DecodeSteps run (the draft forwards): its first step plans every step.
 
-        # Causal mask: query j of sequence b sits at position kv_len - q_len + j and sees keys up to it.
-        if self.decode_only and bool((kv_lens == max_kv).all()):
-            self.mask = None
-        else:
-            q_pos = (kv_lens - q_lens)[:, None] + torch.arange(max_q, device=device)[None, :]  # [B, max_q]
-            self.mask = (kv_pos[None, None, :] <= q_pos[:, :, None])[:, None]  # [B, 1, max_q, max_kv]
+        All steps read the keys of the run's last step (the longest: each sequence's pages up to it) and mask the
+        positions step j has not written yet: one gather plan and one mask build for the run instead of one per step.
+        """
+        run = meta.decode_run
+        if run is not getattr(self, "_run", None):
+            self._run = run
+            last = run.step(run.num_steps - 1)
+            self._run_group = _Group(last, None, [1] * last.batch_size, run.kv_lens[-1].tolist())
+            kv_pos = torch.arange(self._run_group.read_shape[1], device=meta.positions.device)
+            self._run_masks = (kv_pos < run.kv_lens[:, :, None])[:, :, None, None, :]  # [S, B, 1, 1, max_kv]
+            k_rows = run.slots + (run.slots // run.page_size) * run.page_size  # [S, B] as kv_rows
+            self._run_writes = torch.stack((k_rows, k_rows + run.page_size), dim=1).flatten(1)  # [S, 2B]
+        group = self._run_group
+        group.mask = self._run_masks[meta.decode_step]
+        self.kv_write = self._run_writes[meta.decode_step]
+        self.groups = [group]
 
-    def _pad_queries(self, q: torch.Tensor) -> torch.Tensor:
-        """[T, H, D] packed -> [B, H, max_q, D]."""
-        if self.decode_only:
-            return q[:, :, None, :]
-        return q[self.q_gather].transpose(1, 2)
-
-    def _unpad(self, out: torch.Tensor) -> torch.Tensor:
-        """[B, H, max_q, D] -> [T, H, D]."""
-        if self.decode_only:
-            return out[:, :, 0, :]
-        return out.transpose(1, 2)[self.q_valid]
+    def _gather(self, outs: list[torch.Tensor]) -> torch.Tensor:
+        """The groups' outputs [n * q_len, H, D] -> [T, H, D] in packed order."""
+        if len(outs) == 1:
+            return outs[0]
+        packed = torch.cat(outs)
+        return torch.empty_like(packed).index_copy_(0, self.out_rows, packed)
 
     def attend(
         self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, kv_cache: torch.Tensor, scale: float
     ) -> torch.Tensor:
         if self.kv_write is None:  # the step's first K/V layer
             self.kv_write = kv_rows(self.write_slots, self.page_size)
-            self.kv_read = None if self.fresh_prefill else kv_rows(self.read_slots, self.page_size)
         flat = write_kv(kv_cache, self.kv_write, k, v)
-        if self.fresh_prefill:
-            out = F.scaled_dot_product_attention(
-                self._pad_queries(q), self._pad_queries(k), self._pad_queries(v), is_causal=True, scale=scale,
-                enable_gqa=True,
-            )
-            return self._unpad(out)
-        kv = flat.index_select(0, self.kv_read).view(2, *self.read_shape, *kv_cache.shape[-2:])
-        keys = kv[0].transpose(1, 2).to(q.dtype)  # [B, Hkv, max_kv, D]
-        values = kv[1].transpose(1, 2).to(q.dtype)
-        out = F.scaled_dot_product_attention(
-            self._pad_queries(q), keys, values, attn_mask=self.mask, scale=scale, enable_gqa=True
-        )
-        return self._unpad(out)
+        outs = []
+        for group in self.groups:
+            if group.fresh:
+                out = group.unpad(F.scaled_dot_product_attention(
+                    group.queries(q), group.queries(k), group.queries(v), is_causal=True, scale=scale, enable_gqa=True
+                ))
+            else:
+                kv = flat.index_select(0, group.kv_read).view(2, *group.read_shape, *kv_cache.shape[-2:])
+                keys = kv[0].transpose(1, 2).to(q.dtype)  # [n, Hkv, max_kv, D]
+                out = group.attend_cached(q, keys, kv[1].transpose(1, 2).to(q.dtype), scale)
+            outs.append(out)
+        return self._gather(outs)
 
     def attend_mla(
         self,
@@ -163,19 +259,21 @@ class TorchAttention:
     ) -> torch.Tensor:
         ckv_flat = write_mla(ckv_cache, self.write_slots, ckv)
         kpe_flat = write_mla(kpe_cache, self.write_slots, kpe)
-        query = self._pad_queries(torch.cat((q_latent, q_rope), dim=-1))
-        if self.fresh_prefill:
-            latent = self._pad_queries(ckv[:, None, :])  # [B, 1, max_q, R]
-            keys = torch.cat((latent, self._pad_queries(kpe[:, None, :])), dim=-1)
-            out = F.scaled_dot_product_attention(query, keys, latent, is_causal=True, scale=scale, enable_gqa=True)
-            return self._unpad(out)
-        latent = ckv_flat.index_select(0, self.read_slots).view(*self.read_shape, -1).to(q_latent.dtype)  # [B, max_kv, R]
-        rope_key = kpe_flat.index_select(0, self.read_slots).view(*self.read_shape, -1).to(q_latent.dtype)
-        keys = torch.cat((latent, rope_key), dim=-1)[:, None]  # one head shared by all query heads
-        out = F.scaled_dot_product_attention(
-            query, keys, latent[:, None], attn_mask=self.mask, scale=scale, enable_gqa=True
-        )
-        return self._unpad(out)
+        query_rows = torch.cat((q_latent, q_rope), dim=-1)
+        outs = []
+        for group in self.groups:
+            if group.fresh:
+                latent = group.queries(ckv[:, None, :])  # [n, 1, q_len, R]
+                keys = torch.cat((latent, group.queries(kpe[:, None, :])), dim=-1)
+                out = group.unpad(F.scaled_dot_product_attention(group.queries(query_rows), keys, latent,
+                                                                 is_causal=True, scale=scale, enable_gqa=True))
+            else:
+                latent = ckv_flat.index_select(0, group.read_slots).view(*group.read_shape, -1).to(q_latent.dtype)
+                rope_key = kpe_flat.index_select(0, group.read_slots).view(*group.read_shape, -1).to(q_latent.dtype)
+                keys = torch.cat((latent, rope_key), dim=-1)[:, None]  # one head shared by all query heads
+                out = group.attend_cached(query_rows, keys, latent[:, None], scale)
+            outs.append(out)
+        return self._gather(outs)
 
 
 class FlashInferAttention:

@@ -363,7 +363,9 @@ class Engine:
         kv_lens = rows.kv_lens + [r.num_computed + k + 1 for r in speculating]
         meta = build_page_metadata(page_lists, q_lens, kv_lens, self.config.page_size, self.device)
         ids = torch.tensor(rows.input_ids, dtype=torch.long, device=self.device)
-        logits_rows = torch.tensor(rows.sample_rows, dtype=torch.long, device=self.device)
+        logits_rows = None  # decodes only: every row samples, no rows to pick
+        if speculating or len(rows.sampling) < rows.num_tokens:
+            logits_rows = torch.tensor(rows.sample_rows, dtype=torch.long, device=self.device)
         if speculating:
             ids = torch.cat((ids, verify_ids.flatten().to(self.device)))
             verify_rows = torch.arange(rows.num_tokens, ids.shape[0], device=self.device)

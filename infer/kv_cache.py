@@ -8,6 +8,8 @@ The KV tensors themselves belong to the models (`model.allocate_kv_cache`), all 
 
 from __future__ import annotations
 
+import array
+import itertools
 from dataclasses import dataclass, field
 
 import torch
@@ -105,6 +107,7 @@ class PageMetadata:
       kv_lens          [B]   int32  KV length after this step's tokens are appended
       positions        [T]   int64  position of every new token
       slot_mapping     [T]   int64  page * page_size + offset where every new token's KV goes
+    A step of a `DecodeSteps` run names it (decode_run, decode_step): a backend may plan the whole run at once.
     """
 
     qo_indptr: torch.Tensor
@@ -117,6 +120,8 @@ class PageMetadata:
     page_size: int
     max_q_len: int
     max_kv_len: int
+    decode_run: DecodeSteps | None = field(default=None, repr=False, compare=False)
+    decode_step: int = 0
 
     @property
     def batch_size(self) -> int:
@@ -130,43 +135,35 @@ class PageMetadata:
 def build_page_metadata(
     page_lists: list[list[int]], q_lens: list[int], kv_lens: list[int], page_size: int, device: torch.device
 ) -> PageMetadata:
-    """Batch the page tables of one step; Python touches each sequence once, never each token."""
-    qo_indptr = [0]
-    kv_indptr = [0]
-    kv_indices: list[int] = []
-    for pages, kv_len in zip(page_lists, kv_lens):
-        used = pages_needed(kv_len, page_size)
-        kv_indices.extend(pages[:used])
-        kv_indptr.append(kv_indptr[-1] + used)
-    for q_len in q_lens:
-        qo_indptr.append(qo_indptr[-1] + q_len)
-
-    q_lens_t = torch.tensor(q_lens, dtype=torch.int64)
-    kv_lens_t = torch.tensor(kv_lens, dtype=torch.int64)
-    qo_indptr_t = torch.tensor(qo_indptr, dtype=torch.int64)
-    kv_indptr_t = torch.tensor(kv_indptr, dtype=torch.int64)
-    kv_indices_t = torch.tensor(kv_indices, dtype=torch.int64)
-    num_tokens = qo_indptr[-1]
-
-    # Position of each new token: its sequence's cached length plus its index within the sequence's chunk.
-    seq_of_token = torch.repeat_interleave(torch.arange(len(q_lens)), q_lens_t, output_size=num_tokens)
-    offset_in_chunk = torch.arange(num_tokens) - qo_indptr_t[seq_of_token]
-    positions = (kv_lens_t - q_lens_t)[seq_of_token] + offset_in_chunk
-    page_of_token = kv_indices_t[kv_indptr_t[seq_of_token] + positions // page_size]
-    slot_mapping = page_of_token * page_size + positions % page_size
-
-    last_page_len = (kv_lens_t - 1) % page_size + 1
-    i32 = dict(dtype=torch.int32, device=device)
+    """Batch the page tables of one step in Python, touching each sequence and each page of its new tokens once
+    (never each token: ranges are extended in C), into one buffer cut into the fields: at decode batch sizes the
+    two dozen small tensor ops that would compute positions and slots on tensors cost more than these lists."""
+    used = [(kv_len + page_size - 1) // page_size for kv_len in kv_lens]  # pages covering each sequence's kv
+    kv_indices = list(itertools.chain.from_iterable(pages[:n] for pages, n in zip(page_lists, used)))
+    if max(q_lens) == 1:  # decodes: the one new token sits at kv_len - 1
+        positions = [kv_len - 1 for kv_len in kv_lens]
+        slots = [pages[pos // page_size] * page_size + pos % page_size for pages, pos in zip(page_lists, positions)]
+    else:
+        positions, slots = [], []
+        for pages, q_len, kv_len in zip(page_lists, q_lens, kv_lens):
+            first = kv_len - q_len  # slot = pages[pos // page_size] * page_size + pos % page_size, page by page
+            positions.extend(range(first, kv_len))
+            for page in range(first // page_size, (kv_len - 1) // page_size + 1):
+                shift = (pages[page] - page) * page_size
+                slots.extend(range(shift + max(first, page * page_size), shift + min(kv_len, (page + 1) * page_size)))
+    # One buffer for all fields (torch.tensor walks a list element by element, several times slower than array),
+    # cut into views: the int32 indices first, then the int64 positions and slots.
+    index_fields = ([0, *itertools.accumulate(q_lens)], [0, *itertools.accumulate(used)], kv_indices,
+                    [kv_len - (n - 1) * page_size for kv_len, n in zip(kv_lens, used)], kv_lens)
+    buffer = array.array("q", itertools.chain(*index_fields, positions, slots))
+    flat = torch.frombuffer(buffer, dtype=torch.int64)  # shares (and keeps alive) the array's memory
+    num_index = sum(map(len, index_fields))
+    indices = flat[:num_index].to(device=device, dtype=torch.int32).split_with_sizes([len(f) for f in index_fields])
+    qo_indptr, kv_indptr, kv_indices_t, last_page_len, kv_lens_t = indices
+    positions_t, slots_t = flat[num_index:].to(device).split_with_sizes([len(positions), len(slots)])
     return PageMetadata(
-        qo_indptr=qo_indptr_t.to(**i32),
-        kv_indptr=kv_indptr_t.to(**i32),
-        kv_indices=kv_indices_t.to(**i32),
-        kv_last_page_len=last_page_len.to(**i32),
-        kv_lens=kv_lens_t.to(**i32),
-        positions=positions.to(device),
-        slot_mapping=slot_mapping.to(device),
-        page_size=page_size,
-        max_q_len=max(q_lens),
+        qo_indptr=qo_indptr, kv_indptr=kv_indptr, kv_indices=kv_indices_t, kv_last_page_len=last_page_len,
+        kv_lens=kv_lens_t, positions=positions_t, slot_mapping=slots_t, page_size=page_size, max_q_len=max(q_lens),
         max_kv_len=max(kv_lens),
     )
 
@@ -175,34 +172,38 @@ class DecodeSteps:
     """The metadata of successive one-token forwards over fixed page tables, built once for all of them.
 
     Draft forwards are such a run: step j writes position first[b] + j of every sequence, so positions advance by
-    one and kv lengths follow. Every step's tensors are computed here in one batch of tensor ops over a padded
-    [B, P] page table ([S, B] for positions and lengths, S steps), with one host read (the steps' page counts, to
-    split kv_indices); `step(j)` then only slices them. Each step equals what `build_page_metadata` gives for it.
+    one and kv lengths follow. Every step's fields are listed here in one pass and cut from one buffer (as in
+    `build_page_metadata`, without a host read): [S, B] for positions, slots and lengths, S steps; `step(j)` then only
+    slices them. Each step equals what `build_page_metadata` gives for it.
     """
 
     def __init__(self, page_lists: list[list[int]], first_positions: list[int], num_steps: int, page_size: int,
                  device: torch.device) -> None:
-        width = max(pages_needed(p + num_steps, page_size) for p in first_positions)
-        rows = [pages[:width] + [0] * (width - len(pages[:width])) for pages in page_lists]
-        table = torch.tensor(rows, dtype=torch.int64, device=device)  # [B, P]
-        first = torch.tensor(first_positions, dtype=torch.int64, device=device)  # [B]
-        positions = first[None, :] + torch.arange(num_steps, device=device)[:, None]  # [S, B] the one new token each
-        kv_lens = positions + 1
-        used = (kv_lens + page_size - 1) // page_size  # [S, B] pages covering kv_lens
-        kv_indices = table[None].expand(num_steps, -1, -1)[torch.arange(width, device=device) < used[..., None]]
-        pages_per_step = used.sum(1)
-        slots = table.gather(1, (positions // page_size).T).T * page_size + positions % page_size  # [S, B]
-        i32 = dict(dtype=torch.int32)
-        self.positions, self.slots = positions, slots
-        self.kv_lens, self.last_page_len = kv_lens.to(**i32), ((kv_lens - 1) % page_size + 1).to(**i32)
-        self.kv_indptr = torch.cat((used.new_zeros(num_steps, 1), used.cumsum(1)), dim=1).to(**i32)  # [S, B+1]
-        self.kv_indices = kv_indices.to(**i32).split(pages_per_step.tolist())  # S pieces
-        self.qo_indptr = torch.arange(len(first_positions) + 1, dtype=torch.int32, device=device)
-        self.first_max, self.page_size = max(first_positions), page_size
+        batch = len(first_positions)
+        positions = [[first + j for first in first_positions] for j in range(num_steps)]
+        used = [[pos // page_size + 1 for pos in row] for row in positions]  # pages covering kv_len = pos + 1
+        kv_indices = [list(itertools.chain.from_iterable(pages[:n] for pages, n in zip(page_lists, row))) for row in used]
+        fields32 = (list(range(batch + 1)),  # qo_indptr, shared by the steps
+                    [i for row in used for i in (0, *itertools.accumulate(row))],  # kv_indptr [S, B+1]
+                    [pos % page_size + 1 for row in positions for pos in row],  # kv_last_page_len [S, B]
+                    [pos + 1 for row in positions for pos in row],  # kv_lens [S, B]
+                    list(itertools.chain.from_iterable(kv_indices)))
+        slots = [pages[pos // page_size] * page_size + pos % page_size
+                 for row in positions for pages, pos in zip(page_lists, row)]
+        flat = torch.frombuffer(array.array("q", itertools.chain(*fields32, *positions, slots)), dtype=torch.int64)
+        num32 = sum(map(len, fields32))
+        qo_indptr, kv_indptr, last_page_len, kv_lens, indices = flat[:num32].to(
+            device=device, dtype=torch.int32).split_with_sizes([len(f) for f in fields32])
+        self.qo_indptr, self.kv_indptr = qo_indptr, kv_indptr.view(num_steps, batch + 1)
+        self.last_page_len, self.kv_lens = last_page_len.view(num_steps, batch), kv_lens.view(num_steps, batch)
+        self.kv_indices = indices.split_with_sizes([len(row) for row in kv_indices])  # S pieces
+        self.positions, self.slots = flat[num32:].to(device).view(2, num_steps, batch).unbind()  # [S, B] each
+        self.first_max, self.page_size, self.num_steps = max(first_positions), page_size, num_steps
 
     def step(self, j: int) -> PageMetadata:
         return PageMetadata(
             qo_indptr=self.qo_indptr, kv_indptr=self.kv_indptr[j], kv_indices=self.kv_indices[j],
             kv_last_page_len=self.last_page_len[j], kv_lens=self.kv_lens[j], positions=self.positions[j],
             slot_mapping=self.slots[j], page_size=self.page_size, max_q_len=1, max_kv_len=self.first_max + j + 1,
+            decode_run=self, decode_step=j,
         )

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 from dataclasses import dataclass
+from functools import cached_property
 
 import torch
 from torch import Tensor
@@ -28,30 +29,41 @@ def make_generator(seed: int | None, device: torch.device | str) -> torch.Genera
 
 @dataclass
 class SamplingTensors:
-    """A batch's sampling parameters as tensors, built once per step.
+    """A batch's sampling parameters as tensors, built once per step, each on first use: an all-greedy batch (argmax
+    only) builds none of them.
 
     Greedy rows hold temperature 1 and top_k 1, so `target_probs` gives them a one-hot at the argmax: one call then
     serves a mixed batch in speculative verification, where greedy rows reduce to exact-match acceptance.
     """
 
-    temperature: Tensor  # [B] float32
-    top_k: Tensor  # [B] long, 0 = off
-    top_p: Tensor  # [B] float32, 1.0 = off
-    greedy: Tensor  # [B] bool
+    params: Sequence[SamplingParams]
+    device: torch.device | str
     all_greedy: bool
 
     @classmethod
     def from_params(cls, params: Sequence[SamplingParams], device: torch.device | str) -> SamplingTensors:
-        greedy = [p.greedy for p in params]
-        return cls(
-            temperature=torch.tensor(
-                [1.0 if g else p.temperature for p, g in zip(params, greedy)], dtype=torch.float32, device=device
-            ),
-            top_k=torch.tensor([1 if g else max(p.top_k, 0) for p, g in zip(params, greedy)], device=device),
-            top_p=torch.tensor([p.top_p for p in params], dtype=torch.float32, device=device),
-            greedy=torch.tensor(greedy, dtype=torch.bool, device=device),
-            all_greedy=all(greedy),
-        )
+        return cls(params, device, all(p.greedy for p in params))
+
+    @cached_property
+    def temperature(self) -> Tensor:
+        """[B] float32"""
+        return torch.tensor([1.0 if p.greedy else p.temperature for p in self.params], dtype=torch.float32,
+                            device=self.device)
+
+    @cached_property
+    def top_k(self) -> Tensor:
+        """[B] long, 0 = off"""
+        return torch.tensor([1 if p.greedy else max(p.top_k, 0) for p in self.params], device=self.device)
+
+    @cached_property
+    def top_p(self) -> Tensor:
+        """[B] float32, 1.0 = off"""
+        return torch.tensor([p.top_p for p in self.params], dtype=torch.float32, device=self.device)
+
+    @cached_property
+    def greedy(self) -> Tensor:
+        """[B] bool"""
+        return torch.tensor([p.greedy for p in self.params], dtype=torch.bool, device=self.device)
 
 
 def target_probs(logits: Tensor, temperature: Tensor, top_k: Tensor, top_p: Tensor) -> Tensor:

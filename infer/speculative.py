@@ -32,6 +32,7 @@ reads the accepted lengths; positions past the accepted prefix are redundant wor
 
 from __future__ import annotations
 
+import itertools
 import math
 import time
 from dataclasses import dataclass, field
@@ -192,14 +193,16 @@ class Drafter:
                 first, hidden = target_hidden[seq.request_id]
                 hidden_rows.append(hidden[start - first : end - first])
         q_lens = [end - start for _, start, end in spans]
-        last_rows = torch.tensor(q_lens).cumsum(0) - 1  # [B] each span's last row in the packed batch
+        # [B] each span's last row in the packed batch
+        last_rows = torch.tensor([row - 1 for row in itertools.accumulate(q_lens)], device=self.device)
         out = self._forward(
             input_ids, [s.page_table.pages for s, _, _ in spans], q_lens, [end for _, _, end in spans],
-            torch.cat(hidden_rows) if hidden_rows else None, last_rows.to(self.device),
+            torch.cat(hidden_rows) if hidden_rows else None, last_rows,
         )
-        for i, (seq, _, end) in enumerate(spans):
-            hidden = out.hidden_states[int(last_rows[i])] if self.needs_hidden_states else None
-            self._states[seq.request_id] = DraftState(end, out.logits[i], hidden)
+        # One gather and one unbind each, not two indexing ops per request.
+        carried = out.hidden_states[last_rows].unbind() if self.needs_hidden_states else [None] * len(spans)
+        for (seq, _, end), logits, hidden in zip(spans, out.logits.unbind(), carried):
+            self._states[seq.request_id] = DraftState(end, logits, hidden)
 
     def propose(
         self, seqs: list[Sequence], k: int, sampling: SamplingTensors, generators: list[torch.Generator]
@@ -269,10 +272,10 @@ class MTPDrafter(Drafter):
         last_rows = torch.arange(batch, device=self.device) * width + num_emitted - 1  # [B] the carry's rows
         out = self._forward_verified(own_tokens.flatten(), [s.page_table.pages for s in seqs], first, width,
                                      target_hidden.flatten(0, 1), last_rows)
-        carried_hidden = out.hidden_states[last_rows]  # [B, H]
+        carried_hidden = out.hidden_states[last_rows].unbind()  # B x [H]
         counts = num_emitted.tolist()  # the step's host read, after the head's forward was launched
-        for i, seq in enumerate(seqs):
-            self._states[seq.request_id] = DraftState(first[i] + counts[i], out.logits[i], carried_hidden[i])
+        for seq, start, count, logits, hidden in zip(seqs, first, counts, out.logits.unbind(), carried_hidden):
+            self._states[seq.request_id] = DraftState(start + count, logits, hidden)
 
     def _forward_verified(self, input_ids: Tensor, page_lists: list[list[int]], first: list[int], width: int,
                           hidden: Tensor, logits_indices: Tensor) -> ModelOutput:

@@ -16,7 +16,7 @@ from transformers import GPT2Config, LlamaConfig
 from transformers import LlamaForCausalLM as HFLlama
 
 from infer.attention import TorchAttention
-from infer.kv_cache import PagePool, PageTable, build_page_metadata
+from infer.kv_cache import DecodeSteps, PagePool, PageTable, build_page_metadata
 from infer.loader import ModelLoadError, load_model
 from infer.models.llama import LlamaForCausalLM
 
@@ -44,26 +44,32 @@ def reference_logits(reference: HFLlama, tokens: torch.Tensor) -> torch.Tensor:
 def run_paged(
     model: LlamaForCausalLM, steps: list[list[torch.Tensor]], page_size: int, aux_layers: tuple[int, ...] = ()
 ) -> list[list]:
-    """steps[s][b]: the tokens sequence b appends in step s; each step is ONE packed forward of all sequences.
-    Returns, per step and sequence, (logits [q_len, V], hidden [q_len, H], aux {layer: [q_len, H]})."""
+    """steps[s][b]: the tokens sequence b appends in step s (none: it sits the step out); each step is ONE packed
+    forward of its sequences. Returns, per step and sequence, (logits [q_len, V], hidden [q_len, H], aux {layer:
+    [q_len, H]}), None for a sequence that sat the step out."""
     num_seqs = len(steps[0])
     pool = PagePool(128, page_size)
     caches = model.allocate_kv_cache(128, page_size, torch.float32, torch.device("cpu"))
     tables = [PageTable(pool) for _ in range(num_seqs)]
     attn = TorchAttention()
     results = []
-    for chunks in steps:
+    for all_chunks in steps:
+        active = [b for b, chunk in enumerate(all_chunks) if len(chunk)]
+        chunks, step_tables = [all_chunks[b] for b in active], [tables[b] for b in active]
         q_lens = [len(chunk) for chunk in chunks]
-        for table, q_len in zip(tables, q_lens):
+        for table, q_len in zip(step_tables, q_lens):
             table.extend(table.num_tokens + q_len)  # sequences grow in turn: their pages interleave
         meta = build_page_metadata(
-            [t.pages for t in tables], q_lens, [t.num_tokens for t in tables], page_size, torch.device("cpu")
+            [t.pages for t in step_tables], q_lens, [t.num_tokens for t in step_tables], page_size, torch.device("cpu")
         )
         attn.plan(meta)
         out = model(torch.cat(chunks), meta.positions, attn, caches, aux_layers=aux_layers)
         logits, hidden = out.logits.split(q_lens), out.hidden_states.split(q_lens)
         aux = {i: h.split(q_lens) for i, h in out.aux_hidden_states.items()}
-        results.append([(logits[b], hidden[b], {i: aux[i][b] for i in aux}) for b in range(num_seqs)])
+        step = [None] * num_seqs
+        for i, b in enumerate(active):
+            step[b] = (logits[i], hidden[i], {layer: aux[layer][i] for layer in aux})
+        results.append(step)
     return results
 
 
@@ -76,7 +82,7 @@ def decode_steps(seqs: list[torch.Tensor], prompt_lens: list[int]) -> list[list[
 
 
 def concat_logits(results: list[list], b: int) -> torch.Tensor:
-    return torch.cat([step[b][0] for step in results])
+    return torch.cat([step[b][0] for step in results if step[b] is not None])
 
 
 def random_tokens(vocab: int, *lengths: int, seed: int) -> list[torch.Tensor]:
@@ -118,6 +124,50 @@ def test_stories_chunked_prefill_equals_one_shot(stories_model, stories_referenc
     assert_close(concat_logits(chunked, 0), one_shot[0][0])
     assert_close(concat_logits(chunked, 0), reference_logits(stories_reference, tokens))
     assert_close(concat_logits(chunked, 1), reference_logits(stories_reference, other))
+
+
+def test_stories_mixed_step_matches_transformers(stories_model, stories_reference):
+    """One step interleaving decodes, cached chunks and fresh prompts (a long one between short ones; two short ones
+    of the same length, one cached, one fresh), then a decode step of all: every sequence's logits are transformers'.
+    TorchAttention attends the short and the long queries in separate groups, so this checks that each group's rows
+    go back to their places in the packed batch."""
+    seqs = random_tokens(512, 9, 10, 11, 4, 5, seed=4)
+    empty = torch.tensor([], dtype=torch.long)
+    steps = [
+        [seqs[0][:8], empty, seqs[2][:6], seqs[3][:3], empty],
+        [seqs[0][8:9], seqs[1][:9], seqs[2][6:10], seqs[3][3:4], seqs[4][:4]],  # q_lens 1, 9 (fresh), 4, 1, 4 (fresh)
+        [empty, seqs[1][9:], seqs[2][10:], empty, seqs[4][4:]],
+    ]
+    results = run_paged(stories_model, steps, page_size=4)
+    for b, tokens in enumerate(seqs):
+        assert_close(concat_logits(results, b), reference_logits(stories_reference, tokens))
+
+
+@torch.no_grad()
+def test_stories_decode_run_planned_once_matches_transformers(stories_model, stories_reference):
+    """The draft forwards' DecodeSteps run: TorchAttention plans it on its first step (every step reads the keys of
+    the last and masks the positions not yet written) and each step still gives transformers' logits, although the
+    cache past every sequence holds garbage."""
+    prompt_lens, num_steps, page_size = [5, 12, 3], 4, 4
+    seqs = random_tokens(512, *(n + num_steps for n in prompt_lens), seed=5)
+    pool = PagePool(64, page_size)
+    caches = [c.normal_(0, 30) for c in stories_model.allocate_kv_cache(64, page_size, torch.float32, torch.device("cpu"))]
+    tables = [PageTable(pool) for _ in seqs]
+    for table, n in zip(tables, prompt_lens):
+        table.extend(n + num_steps)
+    attn = TorchAttention()
+    prefill = build_page_metadata([t.pages for t in tables], prompt_lens, prompt_lens, page_size, torch.device("cpu"))
+    attn.plan(prefill)
+    logits = [stories_model(torch.cat([s[:n] for s, n in zip(seqs, prompt_lens)]), prefill.positions, attn, caches)
+              .logits.split(prompt_lens)]
+    run = DecodeSteps([t.pages for t in tables], prompt_lens, num_steps, page_size, torch.device("cpu"))
+    for j in range(num_steps):
+        meta = run.step(j)
+        attn.plan(meta)
+        ids = torch.stack([s[n + j] for s, n in zip(seqs, prompt_lens)])
+        logits.append(stories_model(ids, meta.positions, attn, caches).logits.split(1))
+    for b, tokens in enumerate(seqs):
+        assert_close(torch.cat([step[b] for step in logits]), reference_logits(stories_reference, tokens))
 
 
 @torch.no_grad()

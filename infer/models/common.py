@@ -111,7 +111,7 @@ def apply_rope_half(x: torch.Tensor, cos: torch.Tensor, signed_sin: torch.Tensor
     """Rotate x [T, H, D] in the half-split layout (Llama: pairs (i, i + D/2)), tables from half_split_cos_sin."""
     half = x.shape[-1] // 2
     rotated = torch.cat((x[..., half:], x[..., :half]), dim=-1)
-    return (x.float() * cos + rotated.float() * signed_sin).to(x.dtype)
+    return torch.addcmul(x.float() * cos, rotated.float(), signed_sin).to(x.dtype)  # x cos + rotated sin
 
 
 def apply_rope_interleaved(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
