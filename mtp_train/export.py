@@ -387,8 +387,10 @@ def export_head(head: str | Path | DraftHead, fmt: str, out: str | Path, target:
         check_target(head.config, model, "the head")
     if report is not None:  # the K to serve with, per batch size, travels with the head (the caller's is kept)
         recommended = recommended_k_from_report(report)
-        head = copy_head(head)
+        shared, head = head.shared, copy_head(head)
         head.config = replace(head.config, recommended_k=recommended)
+        if shared is not None:  # an EAGLE-3 export writes the target's lm_head rows
+            head.attach(shared)
     config = head.config
     check_exportable(config, fmt, model.config.num_hidden_layers if model is not None else None)
     if fmt == "runtime":

@@ -392,6 +392,11 @@ def test_eagle3_exports_refuse_what_they_cannot_hold(stories_model, stories_hf_d
         with pytest.raises(ExportError, match="fuses id 5, the target's last layer's output.*runtime format"):
             export_head(last, fmt, tmp_path / f"last-{fmt}", target=stories_hf_dir)
     assert export_head(last, "runtime", tmp_path / "last-runtime", target=stories_hf_dir).is_dir()
+    report = tmp_path / "report.json"  # a validation's recommended K travels with the target's lm_head rows
+    report.write_text(json.dumps({"recommended_k": {"by_batch_size": {"1": {"k": 3}}}}))
+    for fmt in ("eagle3", "speculators"):
+        out = export_head(shared, fmt, tmp_path / f"report-{fmt}", target=stories_hf_dir, report=report)
+        assert load_export(out, stories_model).config.recommended_k == {"1": 3}
 
 
 def test_a_reloaded_eagle3_export_whose_lm_head_is_not_the_targets_rows_is_refused(stories_model, tmp_path):
