@@ -176,9 +176,11 @@ def recommendations(rows: list[dict]) -> list[dict]:
 
 
 def bench_arrivals(args, prompts: list[str]) -> dict | None:
-    """A stream of requests, one every `--arrivals` steps: the share of decode steps that speculated (the others
-    were plain because the drafter lagged or there was no room), and tokens/s against plain decoding.
-    The result on rank 0, None on the other ranks."""
+    """A stream of requests: the share of decode steps that speculated (the others were plain because the drafter
+    lagged or there was no room), and the mean time from a request's arrival to its last token against plain
+    decoding. Requests arrive one every `--arrivals` steps of the plain engine; the speculative engine gets them at
+    the same wall-clock times (arrivals counted in its own, longer and fewer steps would compare arrival
+    schedules, not engines). The result on rank 0, None on the other ranks."""
     k, count = args.num_draft_tokens[-1], max(args.batch_sizes)
     plain = make_engine(args, count)
     engines = {"plain": plain, "spec": with_drafter(args, plain, k)}
@@ -188,18 +190,31 @@ def bench_arrivals(args, prompts: list[str]) -> dict | None:
 def stream(args, prompts: list[str], engines: dict[str, Engine], k: int, count: int) -> dict:
     params = SamplingParams(max_new_tokens=args.max_new_tokens, ignore_eos=True)
     result = {"arrive_every_steps": args.arrivals, "requests": count, "k": k}
+    arrivals: list[float] = []  # seconds after the start, set by the plain run's steps
     for name, engine in engines.items():
-        start, generated, tick = time.perf_counter(), [], 0
+        start, generated, tick, finished = time.perf_counter(), [], 0, {}
         while len(generated) < count or engine.has_unfinished():
-            if len(generated) < count and tick % args.arrivals == 0:
+            now = time.perf_counter() - start
+            due = len(generated) < count and (tick % args.arrivals == 0 if name == "plain"
+                                              else arrivals[len(generated)] <= now)
+            if due:
+                if name == "plain":
+                    arrivals.append(now)
                 generated.append(engine.add_request(prompts[len(generated) % len(prompts)], params))
             if engine.has_unfinished():
                 engine.step()
+                now = time.perf_counter() - start
+                for i, request in enumerate(generated):
+                    if i not in finished and request.finished:
+                        finished[i] = now
             tick += 1
-        result[f"{name}_tok_s"] = round(sum(len(r.output_ids) for r in generated) / (time.perf_counter() - start), 1)
+        elapsed = time.perf_counter() - start
+        result[f"{name}_tok_s"] = round(sum(len(r.output_ids) for r in generated) / elapsed, 1)
+        result[f"{name}_latency_ms"] = round(1e3 * sum(finished[i] - arrivals[i] for i in finished) / count, 2)
         if name == "spec":
             stats = engine.spec_stats.to_dict()
             result.update(speculated_share=stats["speculated_share"], tau=stats["tau"])
+    result["latency_ratio"] = round(result["spec_latency_ms"] / result["plain_latency_ms"], 3)
     return result
 
 

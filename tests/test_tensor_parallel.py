@@ -291,6 +291,10 @@ def test_bench_cli_with_tp_matches_one_process(session, stories_hf_dir, head_dir
     measured = lambda result: [(r["k"], r["tau"], r["acceptance_per_position"]) for r in result["rows"]]  # noqa: E731
     assert measured(two) == measured(one) and [k for k, *_ in measured(one)] == [2]
     assert two["arrivals"]["tau"] == one["arrivals"]["tau"] and two["arrivals"]["speculated_share"] > 0
+    for result in (one, two):  # the speculative engine got the plain run's arrival times: its latency is compared
+        arrivals = result["arrivals"]
+        assert arrivals["latency_ratio"] == pytest.approx(arrivals["spec_latency_ms"] / arrivals["plain_latency_ms"],
+                                                          abs=1e-3) and arrivals["plain_latency_ms"] > 0
     assert [r["recommended_k"] for r in two["recommendations"]] == [r["recommended_k"] for r in one["recommendations"]]
 
 
