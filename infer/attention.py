@@ -48,13 +48,14 @@ class AttentionBackend(Protocol):
 
 
 def kv_rows(slots: torch.Tensor, page_size: int) -> torch.Tensor:
-    """Token slots (page * page_size + offset) -> rows of a K/V cache's flat view: [N] K rows then [N] V rows.
+    """Token slots [..., N] (page * page_size + offset) -> rows of a K/V cache's flat view [..., 2N]: K rows, then
+    V rows (per leading index: a DecodeSteps run's [S, B] slots give each step's [S, 2B] rows).
 
     A [pages, 2, page_size, ...] cache viewed flat puts K of page p at rows 2p * page_size + offset and V one
     page_size further. MLA caches ([pages, page_size, ...]) are indexed by the slots themselves.
     """
     k_rows = slots + (slots // page_size) * page_size
-    return torch.cat((k_rows, k_rows + page_size))
+    return torch.cat((k_rows, k_rows + page_size), dim=-1)
 
 
 def write_kv(kv_cache: torch.Tensor, rows: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
@@ -131,8 +132,7 @@ class _Group:
     @cached_property
     def kv_read(self) -> torch.Tensor:
         """[2 * n * max_kv] rows of a K/V cache's flat view (see kv_rows): K of every key, then V."""
-        k_rows = (self.read_pages * (2 * self.page_size) + self.read_offsets).flatten()
-        return torch.cat((k_rows, k_rows + self.page_size))
+        return kv_rows(self.read_slots, self.page_size)
 
     @cached_property
     def read_slots(self) -> torch.Tensor:
@@ -214,8 +214,7 @@ class TorchAttention:
             self._run_group = _Group(last, None, [1] * last.batch_size, run.kv_lens[-1].tolist())
             kv_pos = torch.arange(self._run_group.read_shape[1], device=meta.positions.device)
             self._run_masks = (kv_pos < run.kv_lens[:, :, None])[:, :, None, None, :]  # [S, B, 1, 1, max_kv]
-            k_rows = run.slots + (run.slots // run.page_size) * run.page_size  # [S, B] as kv_rows
-            self._run_writes = torch.stack((k_rows, k_rows + run.page_size), dim=1).flatten(1)  # [S, 2B]
+            self._run_writes = kv_rows(run.slots, run.page_size)  # [S, 2B]
         group = self._run_group
         group.mask = self._run_masks[meta.decode_step]
         self.kv_write = self._run_writes[meta.decode_step]
