@@ -387,10 +387,8 @@ def export_head(head: str | Path | DraftHead, fmt: str, out: str | Path, target:
         check_target(head.config, model, "the head")
     if report is not None:  # the K to serve with, per batch size, travels with the head (the caller's is kept)
         recommended = recommended_k_from_report(report)
-        shared, head = head.shared, copy_head(head)
+        head = copy_head(head)  # still attached: an EAGLE-3 export writes the target's lm_head rows
         head.config = replace(head.config, recommended_k=recommended)
-        if shared is not None:  # an EAGLE-3 export writes the target's lm_head rows
-            head.attach(shared)
     config = head.config
     check_exportable(config, fmt, model.config.num_hidden_layers if model is not None else None)
     if fmt == "runtime":

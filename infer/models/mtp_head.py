@@ -299,10 +299,11 @@ def load_weights(head: DraftHead, state: dict[str, torch.Tensor], source: Path) 
 
 
 def copy_head(head: DraftHead) -> DraftHead:
-    """A detached copy of a head's config and weights (the trainer's module stays as it is)."""
+    """A detached copy of a head's config and weights (the trainer's module stays as it is), attached to the same
+    target tensors as the original when it is (they are the target's: referenced, never copied)."""
     copy = head_module(head.config)
     copy.load_state_dict({name: tensor.detach() for name, tensor in head.state_dict().items()})
-    return copy
+    return copy.attach(head.shared) if head.shared is not None else copy
 
 
 def attach_to_target(head: DraftHead, target: nn.Module, dtype: torch.dtype | None = None,
