@@ -88,7 +88,7 @@ class SpecStats:
         """Tokens per target step while speculating (1 means drafts never helped)."""
         return self.emitted / self.verify_steps if self.verify_steps else 0.0
 
-    def conditional_acceptance(self) -> tuple[list[float | None], list[float | None]]:
+    def conditional_acceptance(self) -> tuple[list[float], list[float]]:
         """Per draft position j: (accepted at j / steps that reached j, its binomial standard error); 0 where no
         step reached j. Unlike `acceptance_per_position` (the unconditional share of steps), these do not
         compound: tau = 1 + sum_j prod_{i<=j} a_i."""

@@ -146,16 +146,14 @@ def costs_engine(spec: Engine, batch_sizes: Sequence[int]) -> Engine:
     return engine
 
 
-def recommend_k_by_batch(costs_engine: Engine, conditional: list[float | None], batch_sizes: Sequence[int],
+def recommend_k_by_batch(engine: Engine, conditional: list[float], batch_sizes: Sequence[int],
                          overhead: StepOverhead, repeats: int = 10) -> dict[str, dict]:
     """batch size -> the recommended K and the predicted speedup at every K up to the measured one, from forward
-    costs measured here (on `costs_engine`, see the function of that name) and the step overhead measured in the
-    timed runs."""
-    max_k = len(conditional)
-    rates = [r or 0.0 for r in conditional]  # a position never reached accepts nothing we know of
+    costs measured here (on `engine`, built by costs_engine) and the step overhead measured in the timed runs.
+    conditional: SpecStats' conditional acceptance (0 at a position never reached: nothing known accepts there)."""
     out = {}
     for batch_size in batch_sizes:
-        costs = {k: costs_engine.forward_costs(batch_size, COST_CONTEXT, repeats, num_draft_tokens=k)
-                 for k in range(1, max_k + 1)}
-        out[str(batch_size)] = recommend_k(rates, costs, overhead).to_dict()
+        costs = {k: engine.forward_costs(batch_size, COST_CONTEXT, repeats, num_draft_tokens=k)
+                 for k in range(1, len(conditional) + 1)}
+        out[str(batch_size)] = recommend_k(conditional, costs, overhead).to_dict()
     return out
