@@ -192,7 +192,7 @@ def stream(args, prompts: list[str], engines: dict[str, Engine], k: int, count: 
     result = {"arrive_every_steps": args.arrivals, "requests": count, "k": k}
     arrivals: list[float] = []  # seconds after the start, set by the plain run's steps
     for name, engine in engines.items():
-        start, generated, tick, finished = time.perf_counter(), [], 0, {}
+        start, generated, tick, latency, tokens = time.perf_counter(), {}, 0, 0.0, 0  # request id -> arrival index
         while len(generated) < count or engine.has_unfinished():
             now = time.perf_counter() - start
             due = len(generated) < count and (tick % args.arrivals == 0 if name == "plain"
@@ -200,17 +200,17 @@ def stream(args, prompts: list[str], engines: dict[str, Engine], k: int, count: 
             if due:
                 if name == "plain":
                     arrivals.append(now)
-                generated.append(engine.add_request(prompts[len(generated) % len(prompts)], params))
+                request = engine.add_request(prompts[len(generated) % len(prompts)], params)
+                generated[request.request_id] = len(generated)
             if engine.has_unfinished():
-                engine.step()
+                done = engine.step()
                 now = time.perf_counter() - start
-                for i, request in enumerate(generated):
-                    if i not in finished and request.finished:
-                        finished[i] = now
+                latency += sum(now - arrivals[generated[r.request_id]] for r in done)
+                tokens += sum(len(r.output_ids) for r in done)
             tick += 1
         elapsed = time.perf_counter() - start
-        result[f"{name}_tok_s"] = round(sum(len(r.output_ids) for r in generated) / elapsed, 1)
-        result[f"{name}_latency_ms"] = round(1e3 * sum(finished[i] - arrivals[i] for i in finished) / count, 2)
+        result[f"{name}_tok_s"] = round(tokens / elapsed, 1)
+        result[f"{name}_latency_ms"] = round(1e3 * latency / count, 2)
         if name == "spec":
             stats = engine.spec_stats.to_dict()
             result.update(speculated_share=stats["speculated_share"], tau=stats["tau"])
