@@ -166,8 +166,9 @@ def single_rank() -> contextlib.AbstractContextManager:
 
 def attach_where_it_lives(kind: str, attach: Callable[[], None]) -> None:
     """Run `attach` (which loads a drafter) on the ranks that hold that drafter: a draft LM ("draft") on rank 0
-    only, whole (its plain runner broadcasts nothing); an MTP head on every rank, sharded like the target."""
-    if kind == "mtp":
+    only, whole (its plain runner broadcasts nothing); a head ("mtp", "eagle3") on every rank, sharded like the
+    target."""
+    if kind != "draft":
         attach()
     elif current().rank == 0:
         with single_rank():

@@ -2,7 +2,7 @@
 
 One two-rank session runs every scenario in turn (spawning costs seconds on these machines): paged forwards
 of stories260K, tiny Llama-3s (GQA; one KV head, fewer than the ranks) and tiny DeepSeek-V2s (MLA with and
-without q_lora_rank, MoE), then generation through the Engine plainly, with an MTP head and with a draft LM,
+without q_lora_rank, MoE), then generation through the Engine plainly, with an MTP head, an EAGLE-3 head and a draft LM,
 `infer.bench --tp 2` and `mtp_train.validate --tp 2` (their mains join the session's group as under torchrun),
 and last a failure injected on rank 1. The tests compare what rank 0 recorded with the same work done here in
 one process: logits within 1e-5 of the logit range, greedy tokens identical.
@@ -41,6 +41,7 @@ from infer.sampling_params import SamplingParams
 from mtp_train.validate import main as validate_main
 from tests.test_deepseek_v2 import CONFIGS as DEEPSEEK_CONFIGS
 from tests.test_deepseek_v2 import tiny_config as tiny_deepseek_config
+from tests.test_eagle3 import eagle3_head
 from tests.test_llama import tiny_llama3_config
 
 pytestmark = pytest.mark.usefixtures("one_torch_thread")
@@ -101,7 +102,7 @@ def generate(engine: Engine, kind: str, record: dict) -> None:
         record[f"{kind}/tau"] = engine.spec_stats.tau
 
 
-def rank_session(folders: dict[str, str], stories: str, head_dir: str, out: str) -> None:
+def rank_session(folders: dict[str, str], stories: str, head_dir: str, eagle3_dir: str, out: str) -> None:
     """One rank of the two-rank session: every rank builds the same models and runners in the same order;
     rank 0 runs the steps (and records them), rank 1 serves them."""
     torch.set_num_threads(1)
@@ -129,7 +130,7 @@ def rank_session(folders: dict[str, str], stories: str, head_dir: str, out: str)
             serve_forever()
 
     target = models["stories"]
-    for kind in ("plain", "mtp", "draft"):
+    for kind in ("plain", "mtp", "eagle3", "draft"):
         engine = make_engine(target)
         if kind == "mtp":  # every rank holds its shard of the head's layer
             head = init_head_from_target(target, "stories260K")
@@ -138,6 +139,11 @@ def rank_session(folders: dict[str, str], stories: str, head_dir: str, out: str)
             loaded = load_head(head_dir, target)  # a saved whole head, cut to this rank's shard
             record["mtp/load_head_equal"] = head.state_dict().keys() == loaded.state_dict().keys() and all(
                 torch.equal(a, b) for a, b in zip(head.state_dict().values(), loaded.state_dict().values()))
+        if kind == "eagle3":  # a saved whole EAGLE-3 head (draft vocabulary of 256), cut to this rank's shard
+            head = load_head(eagle3_dir, target)
+            record["eagle3/param_bytes"] = parameter_bytes(head)
+            engine.num_draft_tokens = 2
+            engine.attach_drafter("eagle3", head)
         if kind == "draft" and tp.rank == 0:  # a whole draft LM on rank 0 only
             draft = load_model(stories, tp=TPGroup())
             record["draft/param_bytes"] = parameter_bytes(draft)
@@ -207,16 +213,21 @@ def head_dir(stories_model, tmp_path_factory) -> Path:
 
 
 @pytest.fixture(scope="module")
+def eagle3_dir(stories_model, tmp_path_factory) -> Path:
+    return save_head(eagle3_head(stories_model, draft_vocab=256), tmp_path_factory.mktemp("e3") / "head")
+
+
+@pytest.fixture(scope="module")
 def session_dir(tmp_path_factory) -> Path:
     return tmp_path_factory.mktemp("tp_session")
 
 
 @pytest.fixture(scope="module")
-def session(folders, stories_hf_dir, head_dir, session_dir) -> tuple[dict, dict]:
+def session(folders, stories_hf_dir, head_dir, eagle3_dir, session_dir) -> tuple[dict, dict]:
     """(rank 0's record, rank 1's record) of the two-rank session."""
     out = session_dir
-    spawn(rank_session, 2, {k: str(v) for k, v in folders.items()}, str(stories_hf_dir), str(head_dir), str(out),
-          timeout_s=240)
+    spawn(rank_session, 2, {k: str(v) for k, v in folders.items()}, str(stories_hf_dir), str(head_dir),
+          str(eagle3_dir), str(out), timeout_s=240)
     return torch.load(out / "rank0.pt"), torch.load(out / "rank1.pt")
 
 
@@ -250,12 +261,19 @@ def test_one_kv_head_is_replicated_on_both_ranks(session, folders):
     assert whole / 2 < session[0]["llama3_one_kv_head/param_bytes"] < 0.6 * whole
 
 
-@pytest.mark.parametrize("kind", ["plain", "mtp", "draft"])
-def test_engine_generates_the_tokens_of_one_rank(session, stories_model, kind):
+@pytest.mark.parametrize("kind", ["plain", "mtp", "eagle3", "draft"])
+def test_engine_generates_the_tokens_of_one_rank(session, stories_model, eagle3_dir, kind):
     engine = make_engine(stories_model)
     if kind == "mtp":
         engine.num_draft_tokens = 2
         engine.attach_drafter("mtp", init_head_from_target(stories_model, "stories260K"))
+    if kind == "eagle3":  # the same drafts as one process: identical tau, from a head split over the ranks
+        head = load_head(eagle3_dir, stories_model)
+        engine.num_draft_tokens = 2
+        engine.attach_drafter("eagle3", head)
+        whole, fc = parameter_bytes(head), head.fc.weight.numel() * head.fc.weight.element_size()
+        for rank in session:
+            assert fc < rank["eagle3/param_bytes"] < 0.75 * whole
     if kind == "draft":
         engine.num_draft_tokens = 3
         engine.attach_drafter("draft", stories_model)

@@ -28,6 +28,10 @@ and rejection sampling stays lossless (its residual max(p - q, 0) gives them the
 Keys (names equal to the module's): fc.weight, layer.{input_layernorm,hidden_norm,post_attention_layernorm}.weight,
 layer.self_attn.{qkv_proj,o_proj}.weight, layer.mlp.{gate_up_proj,down_proj}.weight, final_norm.weight, d2t, t2d,
 and lm_head.weight when trainable. The folder format is infer.models.mtp_head's.
+
+Under tensor parallelism the head shards like the target's layers (query/KV heads and MLP columns per rank; fc, the
+norms and a trainable lm_head whole on every rank) and every rank runs its forwards; with the target's lm_head, whose
+vocabulary rows are split, it scores the whole gathered vocabulary and keeps the draft ids (the same logits).
 """
 
 from __future__ import annotations
@@ -41,7 +45,7 @@ from infer.attention import AttentionBackend
 from infer.models.common import ModelOutput, RMSNorm, RotaryEmbedding, half_split_cos_sin
 from infer.models.head_base import DraftHead, HeadLoadError, MTPHeadConfig
 from infer.models.llama import LlamaAttention, LlamaMLP
-from infer.parallel import TPGroup
+from infer.parallel import ParallelLMHead, TPGroup, current, whole_weight
 
 NUM_FUSED_LAYERS = 3
 
@@ -88,14 +92,13 @@ def eagle3_config_fields(target_config: PretrainedConfig, layer_ids: list[int] |
 class Eagle3DecoderLayer(nn.Module):
     """A Llama decoder layer whose q/k/v read [normed embedding ; normed state] (2H) and whose residual is the state."""
 
-    def __init__(self, config: LlamaConfig) -> None:
+    def __init__(self, config: LlamaConfig, tp: TPGroup | None = None) -> None:
+        """tp: the group to shard over (heads, MLP columns, as the target's layers); by default the current one."""
         super().__init__()
         hidden = config.hidden_size
-        whole = TPGroup()  # an EAGLE-3 head is not sharded: under tensor parallelism it drafts on rank 0
-        self.self_attn = LlamaAttention(config, whole)
-        rows = self.self_attn.qkv_proj.out_features
-        self.self_attn.qkv_proj = nn.Linear(2 * hidden, rows, bias=config.attention_bias)
-        self.mlp = LlamaMLP(hidden, config.intermediate_size, getattr(config, "mlp_bias", False), whole)
+        tp = tp or current()
+        self.self_attn = LlamaAttention(config, tp, in_features=2 * hidden)
+        self.mlp = LlamaMLP(hidden, config.intermediate_size, getattr(config, "mlp_bias", False), tp)
         self.input_layernorm = RMSNorm(hidden, config.rms_norm_eps)  # of the token's embedding
         self.hidden_norm = RMSNorm(hidden, config.rms_norm_eps)  # of the fused (or own) state
         self.post_attention_layernorm = RMSNorm(hidden, config.rms_norm_eps)
@@ -181,8 +184,13 @@ class Eagle3Head(DraftHead):
         """fp32 logits over the target's vocabulary: the draft vocabulary's, -inf everywhere else."""
         if indices is not None:
             hidden_states = hidden_states[indices]
+        normed = self.final_norm(hidden_states)
+        if self.lm_head is None and isinstance(self.shared.lm_head, ParallelLMHead):
+            # the target's rows are split over the ranks: score its whole vocabulary (gathered), keep the draft ids
+            logits = self.shared.lm_head(normed.to(self.shared.lm_head.weight.dtype)).float()  # [N, V]
+            return logits if self.full_vocab else logits.masked_fill_(~self.t2d, float("-inf"))
         weight = self.lm_head_weight()
-        draft = F.linear(self.final_norm(hidden_states).to(weight.dtype), weight).float()  # [N, Vd]
+        draft = F.linear(normed.to(weight.dtype), weight).float()  # [N, Vd]
         if self.full_vocab:
             return draft
         full = draft.new_full((draft.shape[0], self.config.vocab_size), float("-inf"))
@@ -222,7 +230,7 @@ class Eagle3Head(DraftHead):
         """A trainable lm_head starts from the target's rows at the draft ids."""
         if self.lm_head is not None:
             ids = self.draft_token_ids()
-            shared = self.shared.lm_head.weight
+            shared = whole_weight(self.shared.lm_head)  # under tensor parallelism: gathered (every rank calls this)
             with torch.no_grad():
                 self.lm_head.weight.copy_(shared if ids is None else shared[ids])
 

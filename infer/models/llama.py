@@ -49,7 +49,8 @@ def fused_rows(key: str, tensor: torch.Tensor, config: LlamaConfig) -> tuple:
 
 
 class LlamaAttention(nn.Module):
-    def __init__(self, config: LlamaConfig, tp: TPGroup) -> None:
+    def __init__(self, config: LlamaConfig, tp: TPGroup, in_features: int | None = None) -> None:
+        """in_features: what q/k/v read (default hidden_size; an EAGLE-3 layer reads [embedding ; state], 2x)."""
         super().__init__()
         heads, kv_heads = config.num_attention_heads, config.num_key_value_heads
         self.head_dim = d = getattr(config, "head_dim", None) or config.hidden_size // heads
@@ -60,7 +61,7 @@ class LlamaAttention(nn.Module):
         q_rows, kv_rows = heads * d, kv_heads * d
         keep = [(q_lo * d, q_hi * d), (q_rows + kv_lo * d, q_rows + kv_hi * d),
                 (q_rows + kv_rows + kv_lo * d, q_rows + kv_rows + kv_hi * d)]  # rows of q, k and v (fused_rows' order)
-        self.qkv_proj = column_linear(config.hidden_size, q_rows + 2 * kv_rows, keep, bias, tp)
+        self.qkv_proj = column_linear(in_features or config.hidden_size, q_rows + 2 * kv_rows, keep, bias, tp)
         self.o_proj = row_linear(q_rows, config.hidden_size, (q_lo * d, q_hi * d), bias, tp)
 
     def forward(
