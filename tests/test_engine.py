@@ -384,9 +384,11 @@ def test_text_prompt_without_tokenizer_is_refused(stories_model):
     assert len(request.output_ids) == 3 and request.text == ""
 
 
-def test_served_model_skips_call_dispatch_but_keeps_hooks_and_weights(stories_hf_dir, stories_tokenizer):
-    """The runner makes `module(x)` call forward directly (hook dispatch is a fifth of a small decode step); a module
-    that already has a hook keeps it, and the model's class identities and checkpoint names stay the same."""
+def test_served_model_drops_module_overhead_but_keeps_hooks_weights_and_assignments(stories_hf_dir,
+                                                                                      stories_tokenizer):
+    """The runner takes nn.Module's call and lookup machinery out of the forward (a sixth of a small decode step):
+    a module that already has a hook keeps it, class identities and checkpoint names stay, and a parameter
+    assigned afterwards is the one the forward uses."""
     from infer.loader import load_model  # noqa: PLC0415
     from infer.models.llama import LlamaDecoderLayer  # noqa: PLC0415
 
@@ -402,4 +404,8 @@ def test_served_model_skips_call_dispatch_but_keeps_hooks_and_weights(stories_hf
     assert type(hooked).__call__ is torch.nn.Module.__call__
     assert type(plain).__call__ is not torch.nn.Module.__call__ and isinstance(plain, LlamaDecoderLayer)
     assert list(model.state_dict()) == names
-
+    mlp = plain.mlp
+    mlp.down_proj.weight = torch.nn.Parameter(torch.zeros_like(mlp.down_proj.weight))
+    mlp.gate_up_proj = torch.nn.Linear(64, 2 * 172, bias=False)
+    assert mlp.down_proj.weight.abs().sum() == 0 and mlp(torch.randn(3, 64)).abs().sum() == 0
+    assert mlp.gate_up_proj is mlp._modules["gate_up_proj"]

@@ -95,22 +95,29 @@ class RotaryEmbedding(nn.Module):
         super().__init__()
         inv_freq, self.scale = rope_inv_freq(config, dim)
         self.register_buffer("inv_freq", inv_freq, persistent=False)
+        signs = torch.ones(dim, device="cpu")
+        signs[: dim // 2] = -1.0
+        self.register_buffer("half_signs", signs, persistent=False)  # [-1 ... -1, 1 ... 1]: the signed sin
 
     def forward(self, positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """positions [T] -> cos, sin [T, dim // 2] in fp32."""
+        """positions [T] -> cos, sin [T, dim // 2] in fp32 (the interleaved layout's tables)."""
         freqs = positions.float()[:, None] * self.inv_freq[None, :]
         return freqs.cos() * self.scale, freqs.sin() * self.scale
 
-
-def half_split_cos_sin(cos: torch.Tensor, sin: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """[T, D/2] -> [T, 1, D] tables for `apply_rope_half`; built once per step, used by every layer."""
-    return torch.cat((cos, cos), dim=-1)[:, None, :], torch.cat((-sin, sin), dim=-1)[:, None, :]
+    def half_split(self, positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """positions [T] -> cos, signed sin [T, 1, dim] in fp32 for `apply_rope_half`: [cos ; cos] and [-sin ; sin],
+        the values of `forward` laid out for the half-split pairs in fewer ops (once per step, used by every layer)."""
+        freqs = positions.float()[:, None] * self.inv_freq[None, :]
+        both = torch.cat((freqs, freqs), dim=-1)
+        cos, sin = both.cos(), both.sin() * self.half_signs
+        if self.scale != 1.0:
+            cos, sin = cos * self.scale, sin * self.scale
+        return cos[:, None, :], sin[:, None, :]
 
 
 def apply_rope_half(x: torch.Tensor, cos: torch.Tensor, signed_sin: torch.Tensor) -> torch.Tensor:
-    """Rotate x [T, H, D] in the half-split layout (Llama: pairs (i, i + D/2)), tables from half_split_cos_sin."""
-    half = x.shape[-1] // 2
-    rotated = torch.cat((x[..., half:], x[..., :half]), dim=-1)
+    """Rotate x [T, H, D] in the half-split layout (Llama: pairs (i, i + D/2)), tables from RotaryEmbedding.half_split."""
+    rotated = torch.roll(x, x.shape[-1] // 2, dims=-1)  # [x2 ; x1]
     return torch.addcmul(x.float() * cos, rotated.float(), signed_sin).to(x.dtype)  # x cos + rotated sin
 
 

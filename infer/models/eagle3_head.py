@@ -42,7 +42,7 @@ from torch import nn
 from transformers import LlamaConfig, PretrainedConfig
 
 from infer.attention import AttentionBackend
-from infer.models.common import ModelOutput, RMSNorm, RotaryEmbedding, half_split_cos_sin
+from infer.models.common import ModelOutput, RMSNorm, RotaryEmbedding
 from infer.models.head_base import DraftHead, HeadLoadError, MTPHeadConfig
 from infer.models.llama import LlamaAttention, LlamaMLP
 from infer.parallel import ParallelLMHead, TPGroup, current, whole_weight
@@ -176,7 +176,7 @@ class Eagle3Head(DraftHead):
         assert hidden_states is not None, "the head needs the fused target states or its own"
         dtype = self.fc.weight.dtype
         emb = self.shared.embed_tokens(input_ids).to(dtype)
-        cos, sin = half_split_cos_sin(*self.rotary_emb(positions))
+        cos, sin = self.rotary_emb.half_split(positions)
         x = self.layer(emb, hidden_states.to(dtype), cos, sin, attn, kv_caches[0])
         return ModelOutput(self.compute_logits(x, logits_indices), x)
 

@@ -21,7 +21,7 @@ from transformers import LlamaConfig
 
 from infer.attention import AttentionBackend
 from infer.models.common import (
-    ModelOutput, RMSNorm, RotaryEmbedding, apply_rope_half, final_logits, half_split_cos_sin, run_decoder_layers,
+    ModelOutput, RMSNorm, RotaryEmbedding, apply_rope_half, final_logits, run_decoder_layers,
 )
 from infer.parallel import (
     TPGroup, check_split, column_linear, current, head_spans, lm_head_linear, row_linear, vocab_embedding,
@@ -143,7 +143,7 @@ class LlamaForCausalLM(nn.Module):
         aux_layers: Sequence[int] = (),
     ) -> ModelOutput:
         """input_ids, positions [T] packed; attn already planned for this step's page tables."""
-        cos, sin = half_split_cos_sin(*self.model.rotary_emb(positions))
+        cos, sin = self.model.rotary_emb.half_split(positions)
         x, aux = run_decoder_layers(self.model.layers, self.model.embed_tokens(input_ids), cos, sin, attn, kv_caches,
                                     aux_layers)
         return ModelOutput(self.compute_logits(x, logits_indices), x, aux)

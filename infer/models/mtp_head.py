@@ -40,7 +40,7 @@ from transformers import PretrainedConfig
 
 from infer.atomic_io import atomic_folder
 from infer.attention import AttentionBackend
-from infer.models.common import ModelOutput, RMSNorm, RotaryEmbedding, half_split_cos_sin
+from infer.models.common import ModelOutput, RMSNorm, RotaryEmbedding
 from infer.models.deepseek_v2 import DeepseekV2DecoderLayer
 from infer.models.eagle3_head import Eagle3Head, eagle3_config_fields, init_eagle3_from_target
 from infer.models.head_base import (
@@ -109,9 +109,8 @@ class MTPHead(DraftHead):
         dtype = self.eh_proj.weight.dtype  # the head may run in another precision than the target
         emb = self.enorm(self.shared.embed_tokens(input_ids).to(dtype))
         x = self.eh_proj(torch.cat((emb, self.hnorm(hidden_states.to(dtype))), dim=-1))
-        cos, sin = self.rotary_emb(positions)
-        if not self.mla:  # Llama rotates half-split pairs, DeepSeek interleaved ones
-            cos, sin = half_split_cos_sin(cos, sin)
+        # Llama rotates half-split pairs, DeepSeek interleaved ones
+        cos, sin = self.rotary_emb(positions) if self.mla else self.rotary_emb.half_split(positions)
         x = self.layer(x, cos, sin, attn, kv_caches[0])
         return ModelOutput(self.compute_logits(x, logits_indices), x)
 
