@@ -187,9 +187,9 @@ class TorchAttention:
         if meta.decode_run is not None:
             self._plan_decode_step(meta)
             return
-        batch = meta.batch_size
-        kv_lens = meta.kv_lens.tolist()  # the plan's one host read (two with prefill chunks or verify rows)
-        q_lens = [1] * batch if meta.max_q_len == 1 else (meta.qo_indptr[1:] - meta.qo_indptr[:-1]).tolist()
+        batch, host = meta.batch_size, meta.on_host()  # the lengths as built on the host: no device sync
+        kv_lens = host.kv_lens.tolist()
+        q_lens = [1] * batch if meta.max_q_len == 1 else (host.qo_indptr[1:] - host.qo_indptr[:-1]).tolist()
         by_key: dict[int, list[int]] = {}  # 0: the short queries, else the query length
         for b, q_len in enumerate(q_lens):
             by_key.setdefault(q_len if q_len > SHORT_QUERIES else 0, []).append(b)
@@ -211,7 +211,7 @@ class TorchAttention:
         if run is not getattr(self, "_run", None):
             self._run = run
             last = run.step(run.num_steps - 1)
-            self._run_group = _Group(last, None, [1] * last.batch_size, run.kv_lens[-1].tolist())
+            self._run_group = _Group(last, None, [1] * last.batch_size, last.on_host().kv_lens.tolist())
             kv_pos = torch.arange(self._run_group.read_shape[1], device=meta.positions.device)
             self._run_masks = (kv_pos < run.kv_lens[:, :, None])[:, :, None, None, :]  # [S, B, 1, 1, max_kv]
             self._run_writes = kv_rows(run.slots, run.page_size)  # [S, 2B]
@@ -308,16 +308,19 @@ class FlashInferAttention:
             return
         meta = self._meta
         assert meta is not None, "plan() must be called before attention"
+        # plan() reads the indptrs and lengths on the host (given device tensors it copies them back, blocking): the
+        # host copies they were built from go in; the page indices stay on the device, where run() reads them.
+        host = meta.on_host()
         if self.mla_dims is None:
             self.wrapper.plan(
-                meta.qo_indptr, meta.kv_indptr, meta.kv_indices, meta.kv_last_page_len,
+                host.qo_indptr, host.kv_indptr, meta.kv_indices, host.kv_last_page_len,
                 self.num_heads, self.num_kv_heads, self.head_dim, meta.page_size,
                 causal=True, sm_scale=scale, q_data_type=self.dtype, kv_data_type=self.dtype,
             )
         else:
             kv_lora_rank, rope_dim = self.mla_dims
             self.wrapper.plan(
-                meta.qo_indptr, meta.kv_indptr, meta.kv_indices, meta.kv_lens,
+                host.qo_indptr, host.kv_indptr, meta.kv_indices, host.kv_lens,
                 self.num_heads, kv_lora_rank, rope_dim, meta.page_size,
                 True, scale, self.dtype, self.dtype,
             )

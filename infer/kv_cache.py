@@ -108,6 +108,7 @@ class PageMetadata:
       positions        [T]   int64  position of every new token
       slot_mapping     [T]   int64  page * page_size + offset where every new token's KV goes
     A step of a `DecodeSteps` run names it (decode_run, decode_step): a backend may plan the whole run at once.
+    The fields are built on the host; on another device `host` keeps them there (`on_host`).
     """
 
     qo_indptr: torch.Tensor
@@ -122,6 +123,12 @@ class PageMetadata:
     max_kv_len: int
     decode_run: DecodeSteps | None = field(default=None, repr=False, compare=False)
     decode_step: int = 0
+    host: PageMetadata | None = field(default=None, repr=False, compare=False)
+
+    def on_host(self) -> PageMetadata:
+        """These fields on the CPU, as they were built: what a plan reads without a device sync (FlashInfer's
+        plan() copies device indptrs back to the host, a blocking copy per forward, prefill.py at fb28d72)."""
+        return self if self.host is None else self.host
 
     @property
     def batch_size(self) -> int:
@@ -158,14 +165,23 @@ def build_page_metadata(
     buffer = array.array("q", itertools.chain(*index_fields, positions, slots))
     flat = torch.frombuffer(buffer, dtype=torch.int64)  # shares (and keeps alive) the array's memory
     num_index = sum(map(len, index_fields))
-    indices = flat[:num_index].to(device=device, dtype=torch.int32).split_with_sizes([len(f) for f in index_fields])
-    qo_indptr, kv_indptr, kv_indices_t, last_page_len, kv_lens_t = indices
-    positions_t, slots_t = flat[num_index:].to(device).split_with_sizes([len(positions), len(slots)])
-    return PageMetadata(
-        qo_indptr=qo_indptr, kv_indptr=kv_indptr, kv_indices=kv_indices_t, kv_last_page_len=last_page_len,
-        kv_lens=kv_lens_t, positions=positions_t, slot_mapping=slots_t, page_size=page_size, max_q_len=max(q_lens),
-        max_kv_len=max(kv_lens),
-    )
+
+    def cut(flat: torch.Tensor) -> PageMetadata:
+        indices = flat[:num_index].to(torch.int32).split_with_sizes([len(f) for f in index_fields])
+        qo_indptr, kv_indptr, kv_indices_t, last_page_len, kv_lens_t = indices
+        positions_t, slots_t = flat[num_index:].split_with_sizes([len(positions), len(slots)])
+        return PageMetadata(
+            qo_indptr=qo_indptr, kv_indptr=kv_indptr, kv_indices=kv_indices_t, kv_last_page_len=last_page_len,
+            kv_lens=kv_lens_t, positions=positions_t, slot_mapping=slots_t, page_size=page_size, max_q_len=max(q_lens),
+            max_kv_len=max(kv_lens),
+        )
+
+    host = cut(flat)
+    if torch.device(device).type == "cpu":
+        return host
+    meta = cut(flat.to(device))  # one copy to the device
+    meta.host = host
+    return meta
 
 
 class DecodeSteps:
@@ -192,18 +208,31 @@ class DecodeSteps:
                  for row in positions for pages, pos in zip(page_lists, row)]
         flat = torch.frombuffer(array.array("q", itertools.chain(*fields32, *positions, slots)), dtype=torch.int64)
         num32 = sum(map(len, fields32))
-        qo_indptr, kv_indptr, last_page_len, kv_lens, indices = flat[:num32].to(
-            device=device, dtype=torch.int32).split_with_sizes([len(f) for f in fields32])
-        self.qo_indptr, self.kv_indptr = qo_indptr, kv_indptr.view(num_steps, batch + 1)
-        self.last_page_len, self.kv_lens = last_page_len.view(num_steps, batch), kv_lens.view(num_steps, batch)
-        self.kv_indices = indices.split_with_sizes([len(row) for row in kv_indices])  # S pieces
-        self.positions, self.slots = flat[num32:].to(device).view(2, num_steps, batch).unbind()  # [S, B] each
+
+        def cut(flat: torch.Tensor) -> dict[str, torch.Tensor | tuple[torch.Tensor, ...]]:
+            qo_indptr, kv_indptr, last_page_len, kv_lens, indices = flat[:num32].to(torch.int32).split_with_sizes(
+                [len(f) for f in fields32])
+            positions_t, slots_t = flat[num32:].view(2, num_steps, batch).unbind()  # [S, B] each
+            return dict(qo_indptr=qo_indptr, kv_indptr=kv_indptr.view(num_steps, batch + 1),
+                        kv_indices=indices.split_with_sizes([len(row) for row in kv_indices]),  # S pieces
+                        kv_last_page_len=last_page_len.view(num_steps, batch), kv_lens=kv_lens.view(num_steps, batch),
+                        positions=positions_t, slot_mapping=slots_t)
+
+        self._host = cut(flat)
+        self._fields = self._host if torch.device(device).type == "cpu" else cut(flat.to(device))  # one copy
+        self.kv_lens, self.slots = self._fields["kv_lens"], self._fields["slot_mapping"]  # [S, B]
         self.first_max, self.page_size, self.num_steps = max(first_positions), page_size, num_steps
 
     def step(self, j: int) -> PageMetadata:
+        meta = self._step(self._fields, j)
+        if self._fields is not self._host:
+            meta.host = self._step(self._host, j)
+        return meta
+
+    def _step(self, fields: dict, j: int) -> PageMetadata:
         return PageMetadata(
-            qo_indptr=self.qo_indptr, kv_indptr=self.kv_indptr[j], kv_indices=self.kv_indices[j],
-            kv_last_page_len=self.last_page_len[j], kv_lens=self.kv_lens[j], positions=self.positions[j],
-            slot_mapping=self.slots[j], page_size=self.page_size, max_q_len=1, max_kv_len=self.first_max + j + 1,
-            decode_run=self, decode_step=j,
+            qo_indptr=fields["qo_indptr"], kv_indptr=fields["kv_indptr"][j], kv_indices=fields["kv_indices"][j],
+            kv_last_page_len=fields["kv_last_page_len"][j], kv_lens=fields["kv_lens"][j],
+            positions=fields["positions"][j], slot_mapping=fields["slot_mapping"][j], page_size=self.page_size,
+            max_q_len=1, max_kv_len=self.first_max + j + 1, decode_run=self, decode_step=j,
         )
