@@ -14,6 +14,9 @@ Both `python -m infer.bench --spec` and `mtp_train.validate` measure with these 
 
         tau(K) = 1 + sum_{j<=K} prod_{i<=j} a_i
         predicted(K) = tau(K) * (t(decode) + o_plain) / (K * t(draft) + t(verify over K+1) + o_spec(K))
+
+    the forward costs and o measured at the batch size recommended for (`recommend_k_by_batch`: o from short timed
+    runs at K and at 1 there; `infer.bench` fits it from its own sweep at each batch size).
 """
 
 from __future__ import annotations
@@ -136,24 +139,66 @@ def recommend_k(conditional: list[float], costs: dict[int, ForwardCosts],
     return Recommendation(max(speedup, key=speedup.get), speedup)
 
 
-def costs_engine(spec: Engine, batch_sizes: Sequence[int]) -> Engine:
-    """An engine of `spec`'s model and drafter with pages for timing the largest batch at up to spec's K. Built
-    apart from the measurement: under tensor parallelism every rank builds it (rank 0 alone then times it)."""
+TIMING_TOKENS = 128  # tokens per request in the timed runs behind a recommendation's step overhead
+
+
+@dataclass
+class TimingEngines:
+    """What a recommendation times, sized for its largest batch: plain decoding, and speculation at K and at K=1
+    (the step overhead is a line in K through both; None when K is 1)."""
+
+    plain: Engine
+    spec: Engine
+    spec_k1: Engine | None
+
+
+def timing_engines(spec: Engine, batch_sizes: Sequence[int], longest_prompt: int) -> TimingEngines:
+    """Engines of `spec`'s model and drafter with pages for the largest batch of prompts up to `longest_prompt`
+    tokens (and for the forward costs). Built apart from the measurement: under tensor parallelism every rank builds
+    them (rank 0 alone then times them)."""
     k = spec.num_draft_tokens
-    pages = max(batch_sizes) * pages_needed(COST_CONTEXT + k + 2, spec.config.page_size) + 1
-    engine = spec.with_config(num_pages=pages, max_num_seqs=max(batch_sizes), num_draft_tokens=k)
-    engine.attach_drafter(spec.drafter.kind, spec.drafter.runner.model)
-    return engine
+    context = max(longest_prompt + TIMING_TOKENS, COST_CONTEXT) + k + 2
+    sizes = dict(num_pages=max(batch_sizes) * pages_needed(context, spec.config.page_size) + 1,
+                 max_num_seqs=max(batch_sizes))
+    plain = spec.with_config(**sizes, num_draft_tokens=k)
+    engines = []
+    for n in (k, 1) if k > 1 else (k,):
+        engine = plain.with_config(num_draft_tokens=n)
+        engine.attach_drafter(spec.drafter.kind, spec.drafter.runner.model)
+        engines.append(engine)
+    return TimingEngines(plain, engines[0], engines[1] if k > 1 else None)
 
 
-def recommend_k_by_batch(engine: Engine, conditional: list[float], batch_sizes: Sequence[int],
-                         overhead: StepOverhead, repeats: int = 10) -> dict[str, dict]:
+def step_overhead_at(engines: TimingEngines, prompts: Sequence, batch_size: int,
+                     temperature: float = 0.0) -> StepOverhead:
+    """The step overhead at `batch_size`: plain and speculative runs (at K and at 1) of batch_size of `prompts`
+    (cycled), TIMING_TOKENS each, timed against the forward costs at that batch size. Measured per batch size: the
+    overhead grows with the batch (per-request bookkeeping, larger metadata), so one batch's would misprice another."""
+    batch = [prompts[i % len(prompts)] for i in range(batch_size)]
+    params = [SamplingParams(max_new_tokens=TIMING_TOKENS, ignore_eos=True, temperature=temperature, seed=i)
+              for i in range(batch_size)]
+    measured, costs = {}, {}
+    for spec in (engines.spec, engines.spec_k1):
+        if spec is None:
+            continue
+        k = spec.num_draft_tokens
+        timed_generate(engines.plain, batch[:1], SamplingParams(max_new_tokens=4, ignore_eos=True))  # warm-up
+        timed_generate(spec, batch[:1], SamplingParams(max_new_tokens=k + 4, ignore_eos=True))
+        result = compare(engines.plain, spec, batch, params, repeats=1)
+        measured[k] = (result.plain.tok_s, result.spec.tok_s, result.stats["tau"])
+        costs[k] = spec.forward_costs(batch_size, COST_CONTEXT)
+    return StepOverhead.fitted(measured, costs, batch_size)
+
+
+def recommend_k_by_batch(engines: TimingEngines, conditional: list[float], batch_sizes: Sequence[int],
+                         prompts: Sequence, temperature: float = 0.0, repeats: int = 10) -> dict[str, dict]:
     """batch size -> the recommended K and the predicted speedup at every K up to the measured one, from forward
-    costs measured here (on `engine`, built by costs_engine) and the step overhead measured in the timed runs.
+    costs and the step overhead (`step_overhead_at`) measured here at that batch size on `engines` (timing_engines).
     conditional: SpecStats' conditional acceptance (0 at a position never reached: nothing known accepts there)."""
     out = {}
     for batch_size in batch_sizes:
-        costs = {k: engine.forward_costs(batch_size, COST_CONTEXT, repeats, num_draft_tokens=k)
+        overhead = step_overhead_at(engines, prompts, batch_size, temperature)
+        costs = {k: engines.spec.forward_costs(batch_size, COST_CONTEXT, repeats, num_draft_tokens=k)
                  for k in range(1, len(conditional) + 1)}
         out[str(batch_size)] = recommend_k(conditional, costs, overhead).to_dict()
     return out

@@ -43,8 +43,8 @@ from infer.parallel import group_of, init_tp, on_rank0, serve_forever, tp_main, 
 from infer.prompts import VALIDATION_PROMPTS, read_prompt_file
 from infer.sampling_params import SamplingParams
 from infer.speedup import (
-    COST_CONTEXT, Comparison, StepOverhead, compare, costs_engine, ideal_speedup, recommend_k_by_batch,
-    timed_generate,
+    COST_CONTEXT, TIMING_TOKENS, Comparison, TimingEngines, compare, ideal_speedup, recommend_k_by_batch,
+    timed_generate, timing_engines,
 )
 from mtp_train.data import PackedBatch, step_token_counts, unroll_plan
 from mtp_train.unroll import LossWeights, UnrolledHead, per_step_means
@@ -143,8 +143,7 @@ class ValidationEngines:
 
     plain: Engine
     spec: Engine  # the head attached at K
-    spec_k1: Engine | None  # at K=1: the step overhead is fitted through K and 1
-    for_costs: Engine | None  # sized for the forward costs at every batch size a K is recommended for
+    timing: TimingEngines | None  # sized for the timed runs and forward costs at every batch size a K is recommended for
 
 
 def validation_engines(served: Engine, drafter: DraftHead, prompt_ids: list[list[int]], k: int, max_new_tokens: int,
@@ -155,12 +154,8 @@ def validation_engines(served: Engine, drafter: DraftHead, prompt_ids: list[list
     kind = DRAFTER_KINDS[drafter.config.architecture]
     plain, spec = served.with_config(**sizes), served.with_config(**sizes)
     spec.attach_drafter(kind, drafter)
-    for_costs = costs_engine(spec, recommend_for) if recommend_for else None
-    spec_k1 = None
-    if recommend_for and k > 1:
-        spec_k1 = served.with_config(**{**sizes, "num_draft_tokens": 1})
-        spec_k1.attach_drafter(kind, drafter)
-    return ValidationEngines(plain, spec, spec_k1, for_costs)
+    timing = timing_engines(spec, recommend_for, max(map(len, prompt_ids))) if recommend_for else None
+    return ValidationEngines(plain, spec, timing)
 
 
 class Measured(NamedTuple):
@@ -187,9 +182,9 @@ def measure(engines: ValidationEngines, prompt_ids: list[list[int]], k: int, tem
         run["achieved_over_ideal"] = round(run["speedup"] / run["ideal_speedup"], 3) if run["ideal_speedup"] else None
     basis = greedy_run(runs) or runs[0] if runs else None
     recommended = {}
-    if engines.for_costs is not None and basis:
-        overhead = step_overhead(plain, engines.spec_k1, prompt_ids, basis, comparisons[basis["temperature"]], costs)
-        recommended = recommend_k_by_batch(engines.for_costs, basis["conditional_acceptance"], recommend_for, overhead)
+    if engines.timing is not None and basis:
+        recommended = recommend_k_by_batch(engines.timing, basis["conditional_acceptance"], recommend_for, prompt_ids,
+                                           basis["temperature"])
     greedy = comparisons.get(0.0)
     return Measured(runs, [r.token_ids for r in greedy.plain.requests] if greedy else None, recommended, costs)
 
@@ -259,8 +254,9 @@ def validate_head(
         "forward_ms": {"decode": round(costs.decode * 1e3, 3), "draft": round(costs.draft * 1e3, 3),
                        "verify": round(costs.verify * 1e3, 3)},
         "recommended_k": {"by_batch_size": recommended,
-                          "from": (f"T={basis['temperature']:g} conditional acceptance; step overhead measured at "
-                                   f"batch {min(batch_size, len(prompt_ids))}") if recommended else None},
+                          "from": (f"T={basis['temperature']:g} conditional acceptance; forward costs and step "
+                                   f"overhead measured at each batch size ({TIMING_TOKENS}-token runs at K and 1)")
+                                  if recommended else None},
         "elapsed_s": round(time.perf_counter() - start, 3),
     }
 
@@ -297,21 +293,6 @@ def run_record(temperature: float, max_new_tokens: int, result: Comparison) -> d
 
 def greedy_run(runs: list[dict]) -> dict | None:
     return next((run for run in runs if run["temperature"] == 0.0), None)
-
-
-def step_overhead(plain: Engine, spec_k1: Engine | None, prompt_ids: list[list[int]], basis: dict,
-                  at_k: Comparison, costs: ForwardCosts) -> StepOverhead:
-    """The per-step overhead at K (the validation's timed run) and at K=1 (one more short timed run on `spec_k1`,
-    built beforehand on every rank), fitted as a line in K."""
-    k, batch = at_k.stats["num_draft_tokens"], min(plain.config.max_num_seqs, len(prompt_ids))
-    measured, all_costs = {k: at_k}, {k: costs}
-    if spec_k1 is not None:
-        params = sampling_params(basis["temperature"], basis["max_new_tokens"], 0, len(prompt_ids))
-        timed_generate(spec_k1, prompt_ids, params)  # warm-up
-        measured[1] = compare(plain, spec_k1, prompt_ids, params, repeats=1)
-        all_costs[1] = spec_k1.forward_costs(batch, COST_CONTEXT)
-    return StepOverhead.fitted({n: (c.plain.tok_s, c.spec.tok_s, c.stats["tau"]) for n, c in measured.items()},
-                               all_costs, batch)
 
 
 def tokenize_prompts(served: Engine, prompts: list[str] | list[list[int]]) -> list[list[int]]:
