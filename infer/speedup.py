@@ -15,7 +15,7 @@ Both `python -m infer.bench --spec` and `mtp_train.validate` measure with these 
         tau(K) = 1 + sum_{j<=K} prod_{i<=j} a_i
         predicted(K) = tau(K) * (t(decode) + o_plain) / (K * t(draft) + t(verify over K+1) + o_spec(K))
 
-    the forward costs and o measured at the batch size recommended for (`recommend_k_by_batch`: o from short timed
+    the forward costs and o measured at the batch size recommended for (`recommend_k_by_batch`: o from 128-token timed
     runs at K and at 1 there; `infer.bench` fits it from its own sweep at each batch size).
 """
 
@@ -161,12 +161,13 @@ def timing_engines(spec: Engine, batch_sizes: Sequence[int], longest_prompt: int
     sizes = dict(num_pages=max(batch_sizes) * pages_needed(context, spec.config.page_size) + 1,
                  max_num_seqs=max(batch_sizes))
     plain = spec.with_config(**sizes, num_draft_tokens=k)
-    engines = []
-    for n in (k, 1) if k > 1 else (k,):
-        engine = plain.with_config(num_draft_tokens=n)
+
+    def speculating(num_draft_tokens: int) -> Engine:
+        engine = plain.with_config(num_draft_tokens=num_draft_tokens)
         engine.attach_drafter(spec.drafter.kind, spec.drafter.runner.model)
-        engines.append(engine)
-    return TimingEngines(plain, engines[0], engines[1] if k > 1 else None)
+        return engine
+
+    return TimingEngines(plain, speculating(k), speculating(1) if k > 1 else None)
 
 
 def step_overhead_at(engines: TimingEngines, prompts: Sequence, batch_size: int,
