@@ -72,6 +72,34 @@ def write_mla(cache: torch.Tensor, rows: torch.Tensor, values: torch.Tensor) -> 
     return flat
 
 
+KV_BUCKET_MIN = 16  # short queries split by kv length only into groups of at least this many sequences
+
+
+def kv_buckets(seqs: list[int], kv_lens: list[int]) -> list[list[int]]:
+    """The short queries' sequences in groups whose kv lengths lie within a factor of 2 (powers-of-two bins, a bin
+    of fewer than KV_BUCKET_MIN sequences merged into the next longer one): padding every key block to a batch's
+    longest wastes up to half of a decode step's attention when lengths spread (generation at batch 128), while
+    each group costs a gather and an SDPA call per layer."""
+    if len(seqs) < 2 * KV_BUCKET_MIN:
+        return [seqs]
+    bins: dict[int, list[int]] = {}
+    for b in seqs:
+        bins.setdefault(kv_lens[b].bit_length(), []).append(b)
+    groups: list[list[int]] = []
+    pending: list[int] = []
+    for key in sorted(bins):
+        pending += bins[key]
+        if len(pending) >= KV_BUCKET_MIN:
+            groups.append(pending)
+            pending = []
+    if pending:
+        if groups:
+            groups[-1] += pending
+        else:
+            groups.append(pending)
+    return groups
+
+
 SHORT_QUERIES = 8  # query lengths up to this (decodes, verify rows, catch-ups) share one padded group
 
 
@@ -193,6 +221,10 @@ class TorchAttention:
         by_key: dict[int, list[int]] = {}  # 0: the short queries, else the query length
         for b, q_len in enumerate(q_lens):
             by_key.setdefault(q_len if q_len > SHORT_QUERIES else 0, []).append(b)
+        short = by_key.pop(0, None)
+        if short is not None:  # by kv length: a group's keys are padded to its longest
+            for i, seqs in enumerate(kv_buckets(short, kv_lens)):
+                by_key[-i] = seqs
         if len(by_key) == 1:
             self.groups = [_Group(meta, None, q_lens, kv_lens)]
             return

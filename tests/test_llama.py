@@ -15,7 +15,7 @@ from safetensors.torch import load_file, save_file
 from transformers import GPT2Config, LlamaConfig
 from transformers import LlamaForCausalLM as HFLlama
 
-from infer.attention import TorchAttention
+from infer.attention import KV_BUCKET_MIN, TorchAttention, kv_buckets
 from infer.kv_cache import DecodeSteps, PagePool, PageTable, build_page_metadata
 from infer.loader import ModelLoadError, load_model
 from infer.models.llama import LlamaForCausalLM
@@ -42,14 +42,15 @@ def reference_logits(reference: HFLlama, tokens: torch.Tensor) -> torch.Tensor:
 
 @torch.no_grad()
 def run_paged(
-    model: LlamaForCausalLM, steps: list[list[torch.Tensor]], page_size: int, aux_layers: tuple[int, ...] = ()
+    model: LlamaForCausalLM, steps: list[list[torch.Tensor]], page_size: int, aux_layers: tuple[int, ...] = (),
+    num_pages: int = 128,
 ) -> list[list]:
     """steps[s][b]: the tokens sequence b appends in step s (none: it sits the step out); each step is ONE packed
     forward of its sequences. Returns, per step and sequence, (logits [q_len, V], hidden [q_len, H], aux {layer:
     [q_len, H]}), None for a sequence that sat the step out."""
     num_seqs = len(steps[0])
-    pool = PagePool(128, page_size)
-    caches = model.allocate_kv_cache(128, page_size, torch.float32, torch.device("cpu"))
+    pool = PagePool(num_pages, page_size)
+    caches = model.allocate_kv_cache(num_pages, page_size, torch.float32, torch.device("cpu"))
     tables = [PageTable(pool) for _ in range(num_seqs)]
     attn = TorchAttention()
     results = []
@@ -139,6 +140,21 @@ def test_stories_mixed_step_matches_transformers(stories_model, stories_referenc
         [empty, seqs[1][9:], seqs[2][10:], empty, seqs[4][4:]],
     ]
     results = run_paged(stories_model, steps, page_size=4)
+    for b, tokens in enumerate(seqs):
+        assert_close(concat_logits(results, b), reference_logits(stories_reference, tokens))
+
+
+def test_stories_decodes_of_spread_lengths_attend_in_kv_buckets(stories_model, stories_reference):
+    """40 sequences of 3 to 176 tokens decode together: their keys are not all padded to the longest, the short
+    queries are attended in groups of similar kv length (kv_buckets), and every sequence's logits are transformers'."""
+    prompt_lens = [round(3 * 1.11**i) for i in range(40)]
+    assert (min(prompt_lens), max(prompt_lens)) == (3, 176)
+    kv_lens = [n + 1 for n in prompt_lens]
+    groups = kv_buckets(list(range(40)), kv_lens)
+    assert len(groups) > 1 and sorted(b for g in groups for b in g) == list(range(40))
+    assert all(len(g) >= KV_BUCKET_MIN for g in groups)
+    seqs = random_tokens(512, *(n + 2 for n in prompt_lens), seed=6)
+    results = run_paged(stories_model, decode_steps(seqs, prompt_lens), page_size=16, num_pages=512)
     for b, tokens in enumerate(seqs):
         assert_close(concat_logits(results, b), reference_logits(stories_reference, tokens))
 
