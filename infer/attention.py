@@ -72,15 +72,18 @@ def write_mla(cache: torch.Tensor, rows: torch.Tensor, values: torch.Tensor) -> 
     return flat
 
 
-KV_BUCKET_MIN = 16  # short queries split by kv length only into groups of at least this many sequences
+KV_BUCKET_MIN = 16  # short queries split by kv length only into groups of at least this many sequences,
+KV_BUCKET_KEYS = 8192  # only when one group would pad to at least this many keys (smaller attention is op-bound)
+KV_BUCKET_GAIN = 0.75  # and only when the groups' padded keys are at most this share of one group's
 
 
 def kv_buckets(seqs: list[int], kv_lens: list[int]) -> list[list[int]]:
     """The short queries' sequences in groups whose kv lengths lie within a factor of 2 (powers-of-two bins, a bin
     of fewer than KV_BUCKET_MIN sequences merged into the next longer one): padding every key block to a batch's
     longest wastes up to half of a decode step's attention when lengths spread (generation at batch 128), while
-    each group costs a gather and an SDPA call per layer."""
-    if len(seqs) < 2 * KV_BUCKET_MIN:
+    each group costs a gather and an SDPA call per layer, so the split is kept only for large key blocks and where it
+    pads a quarter fewer keys."""
+    if len(seqs) < 2 * KV_BUCKET_MIN or len(seqs) * max(kv_lens[b] for b in seqs) < KV_BUCKET_KEYS:
         return [seqs]
     bins: dict[int, list[int]] = {}
     for b in seqs:
@@ -97,7 +100,8 @@ def kv_buckets(seqs: list[int], kv_lens: list[int]) -> list[list[int]]:
             groups[-1] += pending
         else:
             groups.append(pending)
-    return groups
+    padded = lambda group: len(group) * max(kv_lens[b] for b in group)  # noqa: E731
+    return groups if sum(map(padded, groups)) <= KV_BUCKET_GAIN * padded(seqs) else [seqs]
 
 
 SHORT_QUERIES = 8  # query lengths up to this (decodes, verify rows, catch-ups) share one padded group

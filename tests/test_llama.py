@@ -145,14 +145,15 @@ def test_stories_mixed_step_matches_transformers(stories_model, stories_referenc
 
 
 def test_stories_decodes_of_spread_lengths_attend_in_kv_buckets(stories_model, stories_reference):
-    """40 sequences of 3 to 176 tokens decode together: their keys are not all padded to the longest, the short
-    queries are attended in groups of similar kv length (kv_buckets), and every sequence's logits are transformers'."""
-    prompt_lens = [round(3 * 1.11**i) for i in range(40)]
-    assert (min(prompt_lens), max(prompt_lens)) == (3, 176)
-    kv_lens = [n + 1 for n in prompt_lens]
-    groups = kv_buckets(list(range(40)), kv_lens)
-    assert len(groups) > 1 and sorted(b for g in groups for b in g) == list(range(40))
+    """64 sequences of 3 to 213 tokens decode together: their keys are not all padded to the longest, the short
+    queries are attended in groups of similar kv length (kv_buckets), and every sequence's logits are transformers'.
+    Equal lengths, or a small key block, stay one group."""
+    prompt_lens = [round(3 * 1.07**i) for i in range(64)]
+    assert (min(prompt_lens), max(prompt_lens)) == (3, 213)
+    groups = kv_buckets(list(range(64)), [n + 1 for n in prompt_lens])
+    assert len(groups) > 1 and sorted(b for g in groups for b in g) == list(range(64))
     assert all(len(g) >= KV_BUCKET_MIN for g in groups)
+    assert len(kv_buckets(list(range(64)), [200] * 64)) == 1 and len(kv_buckets(list(range(64)), prompt_lens[:32] * 2)) == 1
     seqs = random_tokens(512, *(n + 2 for n in prompt_lens), seed=6)
     results = run_paged(stories_model, decode_steps(seqs, prompt_lens), page_size=16, num_pages=512)
     for b, tokens in enumerate(seqs):
