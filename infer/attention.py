@@ -222,19 +222,20 @@ class TorchAttention:
         batch, host = meta.batch_size, meta.on_host()  # the lengths as built on the host: no device sync
         kv_lens = host.kv_lens.tolist()
         q_lens = [1] * batch if meta.max_q_len == 1 else (host.qo_indptr[1:] - host.qo_indptr[:-1]).tolist()
-        by_key: dict[int, list[int]] = {}  # 0: the short queries, else the query length
+        short, by_q_len = [], {}  # the short queries; each longer query length's sequences
         for b, q_len in enumerate(q_lens):
-            by_key.setdefault(q_len if q_len > SHORT_QUERIES else 0, []).append(b)
-        short = by_key.pop(0, None)
-        if short is not None:  # by kv length: a group's keys are padded to its longest
-            for i, seqs in enumerate(kv_buckets(short, kv_lens)):
-                by_key[-i] = seqs
-        if len(by_key) == 1:
+            if q_len > SHORT_QUERIES:
+                by_q_len.setdefault(q_len, []).append(b)
+            else:
+                short.append(b)
+        # the short queries by kv length (a group's keys are padded to its longest)
+        groupings = (kv_buckets(short, kv_lens) if short else []) + list(by_q_len.values())
+        if len(groupings) == 1:
             self.groups = [_Group(meta, None, q_lens, kv_lens)]
             return
         device = meta.positions.device
         self.groups = [_Group(meta, torch.tensor(seqs, device=device), [q_lens[b] for b in seqs],
-                              [kv_lens[b] for b in seqs]) for seqs in by_key.values()]
+                              [kv_lens[b] for b in seqs]) for seqs in groupings]
         self.out_rows = torch.cat([g.out_rows for g in self.groups])  # where each group's outputs go
 
     def _plan_decode_step(self, meta: PageMetadata) -> None:

@@ -145,7 +145,7 @@ def build_page_metadata(
     """Batch the page tables of one step in Python, touching each sequence and each page of its new tokens once
     (never each token: ranges are extended in C), into one buffer cut into the fields: at decode batch sizes the
     two dozen small tensor ops that would compute positions and slots on tensors cost more than these lists."""
-    used = [(kv_len + page_size - 1) // page_size for kv_len in kv_lens]  # pages covering each sequence's kv
+    used = [pages_needed(kv_len, page_size) for kv_len in kv_lens]  # pages covering each sequence's kv
     kv_indices = list(itertools.chain.from_iterable(pages[:n] for pages, n in zip(page_lists, used)))
     if max(q_lens) == 1:  # decodes: the one new token sits at kv_len - 1
         positions = [kv_len - 1 for kv_len in kv_lens]

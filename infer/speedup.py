@@ -170,36 +170,37 @@ def timing_engines(spec: Engine, batch_sizes: Sequence[int], longest_prompt: int
     return TimingEngines(plain, speculating(k), speculating(1) if k > 1 else None)
 
 
-def step_overhead_at(engines: TimingEngines, prompts: Sequence, batch_size: int,
+def step_overhead_at(engines: TimingEngines, prompts: Sequence, batch_size: int, costs: dict[int, ForwardCosts],
                      temperature: float = 0.0) -> StepOverhead:
     """The step overhead at `batch_size`: plain and speculative runs (at K and at 1) of batch_size of `prompts`
-    (cycled), TIMING_TOKENS each, timed against the forward costs at that batch size. Measured per batch size: the
-    overhead grows with the batch (per-request bookkeeping, larger metadata), so one batch's would misprice another."""
+    (cycled), TIMING_TOKENS each, timed against `costs` (K -> the forward costs at that batch size). Measured per
+    batch size: the overhead grows with the batch (per-request bookkeeping, larger metadata), so one batch's would
+    misprice another."""
     batch = [prompts[i % len(prompts)] for i in range(batch_size)]
     params = [SamplingParams(max_new_tokens=TIMING_TOKENS, ignore_eos=True, temperature=temperature, seed=i)
               for i in range(batch_size)]
-    measured, costs = {}, {}
+    timed_generate(engines.plain, batch[:1], SamplingParams(max_new_tokens=4, ignore_eos=True))  # warm-up
+    measured = {}
     for spec in (engines.spec, engines.spec_k1):
         if spec is None:
             continue
         k = spec.num_draft_tokens
-        timed_generate(engines.plain, batch[:1], SamplingParams(max_new_tokens=4, ignore_eos=True))  # warm-up
         timed_generate(spec, batch[:1], SamplingParams(max_new_tokens=k + 4, ignore_eos=True))
         result = compare(engines.plain, spec, batch, params, repeats=1)
         measured[k] = (result.plain.tok_s, result.spec.tok_s, result.stats["tau"])
-        costs[k] = spec.forward_costs(batch_size, COST_CONTEXT)
-    return StepOverhead.fitted(measured, costs, batch_size)
+    return StepOverhead.fitted(measured, {k: costs[k] for k in measured}, batch_size)
 
 
 def recommend_k_by_batch(engines: TimingEngines, conditional: list[float], batch_sizes: Sequence[int],
                          prompts: Sequence, temperature: float = 0.0, repeats: int = 10) -> dict[str, dict]:
     """batch size -> the recommended K and the predicted speedup at every K up to the measured one, from forward
     costs and the step overhead (`step_overhead_at`) measured here at that batch size on `engines` (timing_engines).
-    conditional: SpecStats' conditional acceptance (0 at a position never reached: nothing known accepts there)."""
+    conditional: SpecStats' conditional acceptance (0 at a position never reached: nothing known accepts there),
+    measured at the engines' K (= its length)."""
     out = {}
     for batch_size in batch_sizes:
-        overhead = step_overhead_at(engines, prompts, batch_size, temperature)
         costs = {k: engines.spec.forward_costs(batch_size, COST_CONTEXT, repeats, num_draft_tokens=k)
                  for k in range(1, len(conditional) + 1)}
+        overhead = step_overhead_at(engines, prompts, batch_size, costs, temperature)
         out[str(batch_size)] = recommend_k(conditional, costs, overhead).to_dict()
     return out
