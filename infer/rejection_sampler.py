@@ -39,7 +39,9 @@ def greedy_verify(draft_token_ids: Tensor, target_argmax: Tensor) -> tuple[Tenso
     k = draft_token_ids.shape[1]
     matches = draft_token_ids == target_argmax[:, :k]  # [B, K]
     num_accepted = matches.long().cumprod(-1).sum(-1)  # [B] length of the all-match prefix
-    return _emit(draft_token_ids, num_accepted, target_argmax.gather(1, num_accepted[:, None]).squeeze(1))
+    # Each accepted draft equals the argmax at its position: the emitted row is the argmax up to the first mismatch.
+    position = torch.arange(k + 1, device=target_argmax.device)
+    return target_argmax.masked_fill(position > num_accepted[:, None], -1), num_accepted + 1
 
 
 def rejection_sample(

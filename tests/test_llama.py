@@ -212,6 +212,36 @@ def test_stories_hidden_states_and_aux_layers(stories_model, stories_reference):
     assert_close(logits, ref.logits[0])
 
 
+@pytest.mark.parametrize("rows", [1, 5, 32, 33, 200])  # 1-32 rows of 64: rms_norm_small; 33 and 200: F.rms_norm
+@pytest.mark.parametrize("offset", [0.0, 100.0, 1e-4])  # centred, far from centred (the mean is part of the RMS), tiny
+def test_rms_norm_matches_transformers(rows: int, offset: float, monkeypatch) -> None:
+    """RMSNorm takes a layer_norm route for small fp32 CPU inputs: it must equal transformers' LlamaRMSNorm
+    (values and gradients) on either side of the size cut, and the route must really be taken below it."""
+    from transformers.models.llama.modeling_llama import LlamaRMSNorm
+
+    from infer.models import common
+    from infer.models.common import SMALL_NORM_ELEMENTS, RMSNorm
+
+    calls = []
+    small = common.rms_norm_small
+    monkeypatch.setattr(common, "rms_norm_small", lambda *args: calls.append(1) or small(*args))
+
+    gen = torch.Generator().manual_seed(rows)
+    x = (offset + torch.randn(rows, 64, generator=gen) * max(offset, 1.0) * 0.1).requires_grad_()
+    ours, ref = RMSNorm(64, 1e-5), LlamaRMSNorm(64, eps=1e-5)
+    with torch.no_grad():
+        ours.weight.copy_(torch.randn(64, generator=gen))
+        ref.weight.copy_(ours.weight)
+    out, expected = ours(x), ref(x)
+    torch.testing.assert_close(out, expected, rtol=2e-6, atol=1e-6)
+    assert len(calls) == (x.numel() <= SMALL_NORM_ELEMENTS)
+    grad_out = torch.randn(out.shape, generator=gen)
+    ours_grad = torch.autograd.grad(out, (x, ours.weight), grad_out)
+    ref_grad = torch.autograd.grad(expected, (x, ref.weight), grad_out)
+    for a, b in zip(ours_grad, ref_grad):
+        torch.testing.assert_close(a, b, rtol=1e-4, atol=1e-5)
+
+
 def test_stories_cache_layout(stories_model):
     caches = stories_model.allocate_kv_cache(3, 4, torch.float32, torch.device("cpu"))
     assert len(caches) == 5 and caches[0].shape == (3, 2, 4, 4, 8)  # [pages, K/V, page_size, kv_heads, head_dim]

@@ -50,6 +50,18 @@ def final_logits(norm: nn.Module, lm_head: nn.Module, hidden_states: torch.Tenso
     return lm_head(norm(hidden_states).to(lm_head.weight.dtype)).float()
 
 
+SMALL_NORM_ELEMENTS = 2048  # fp32 CPU inputs up to this many elements are normalised by `rms_norm_small`
+
+
+def rms_norm_small(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+    """RMSNorm of a small fp32 CPU input through one fused kernel: the layer norm of [x, -x] is the RMSNorm of x
+    (its mean is 0, its variance mean(x^2)). Torch's CPU rms_norm is a composite of six ops, 7 us on a [1, 64] row
+    where layer_norm takes 2: on stories260K, 1.09x plain decode tokens/s at batch 1 and 8 (11 norms a step).
+    Past about 50 rows of 64 the concatenation costs more than it saves."""
+    h = x.shape[-1]
+    return torch.layer_norm(torch.cat((x, x.neg()), -1), (2 * h,), None, None, eps).narrow(-1, 0, h).mul(weight)
+
+
 class RMSNorm(nn.Module):
     """RMSNorm computed in fp32 and cast back, exactly as the Hugging Face Llama/DeepSeek files do."""
 
@@ -61,6 +73,8 @@ class RMSNorm(nn.Module):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         dtype = x.dtype
         if dtype == torch.float32:  # one fused call; the same arithmetic as below
+            if x.device.type == "cpu" and x.numel() <= SMALL_NORM_ELEMENTS:
+                return rms_norm_small(x, self.weight, self.eps)
             return F.rms_norm(x, self.weight.shape, self.weight, self.eps)
         x = x.float()
         x = x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + self.eps)
@@ -117,8 +131,9 @@ class RotaryEmbedding(nn.Module):
 
 def apply_rope_half(x: torch.Tensor, cos: torch.Tensor, signed_sin: torch.Tensor) -> torch.Tensor:
     """Rotate x [T, H, D] in the half-split layout (Llama: pairs (i, i + D/2)), tables from RotaryEmbedding.half_split."""
-    rotated = torch.roll(x, x.shape[-1] // 2, dims=-1)  # [x2 ; x1]
-    return torch.addcmul(x.float() * cos, rotated.float(), signed_sin).to(x.dtype)  # x cos + rotated sin
+    if x.dtype != torch.float32:  # rotated in fp32, as transformers does
+        return apply_rope_half(x.float(), cos, signed_sin).to(x.dtype)
+    return torch.addcmul(x * cos, torch.roll(x, x.shape[-1] // 2, dims=-1), signed_sin)  # x cos + [x2 ; x1] sin
 
 
 def apply_rope_interleaved(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
