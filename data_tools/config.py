@@ -80,6 +80,7 @@ class HeadLoss:
     kl: float = field(default=1.0, metadata=at_least(0.0))
     ce: float = field(default=0.0, metadata=at_least(0.0))
     feature: float = field(default=0.0, metadata=at_least(0.0))
+    tv: float = field(default=0.0, metadata=at_least(0.0))
 
 
 @dataclass

@@ -19,6 +19,7 @@ class LossConfig:
     kl: float = field(default=1.0, metadata=at_least(0.0))
     ce: float = field(default=0.0, metadata=at_least(0.0))
     feature: float = field(default=0.0, metadata=at_least(0.0))
+    tv: float = field(default=0.0, metadata=at_least(0.0))
     unroll_steps: int = field(default=4, metadata=at_least(1, max=16))
     step_decay: float = field(default=0.8, metadata=at_least(0.0, max=1.0))
     chunk_tokens: int = field(default=512, metadata=at_least(1))

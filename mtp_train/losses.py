@@ -4,6 +4,8 @@ Per trained position (weights from conf/config.yaml `loss`):
   kl       forward KL(p || q): p the target's next-token distribution (frozen final norm + lm_head on its stored
            hidden state), q the head's; both over the head's draft vocabulary (p renormalised there)
   ce       cross-entropy of q against argmax p (the target's greedy token)
+  tv       total variation 1/2 sum_x |p(x) - q(x)|: one minus the acceptance of a draft sampled from q when the
+           target samples from p (rejection sampling at the same temperature), what forward KL only bounds
   feature  SmoothL1(h'_i, h_{i+1}) averaged over the hidden size (EAGLE-1's regression on features)
 
 `target_distribution` computes p once per micro batch, for every position of the packed batch (unroll step k reads
@@ -74,7 +76,7 @@ def target_distribution(hidden: torch.Tensor, norm_weight: torch.Tensor, lm_head
 
 class _DistillLoss(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, x, lm_head_weight, probs, greedy, neg_entropy, token_weight, w_kl, w_ce, chunk):
+    def forward(ctx, x, lm_head_weight, probs, greedy, neg_entropy, token_weight, w_kl, w_ce, w_tv, chunk):
         """x [T, H] the head's final-normed states; probs [T, Vd], greedy [T], neg_entropy [T] the target's rows
         (TargetDistribution); token_weight [T] fp32 (0 on untrained positions). Returns (weighted loss sum, stats [3]:
         unweighted sums over positions with token_weight > 0 of KL and CE, where the target's argmax is drafted,
@@ -98,19 +100,26 @@ class _DistillLoss(torch.autograd.Function):
             kl = neg_entropy[start:end] - (p * log_q).sum(-1)  # [c]
             ce = -log_q.gather(-1, top[:, None])[:, 0]
             agree[start:end] = (log_q.argmax(-1) == top) & drafted
-            loss += (weight * (w_kl * kl + w_ce * ce)).sum()
+            q = log_q.exp()
+            step_loss = w_kl * kl + w_ce * ce
+            if w_tv:
+                sign = (q - p).sign_()
+                step_loss = step_loss + (0.5 * w_tv) * (sign * (q - p)).sum(-1)  # sign * (q - p) = |q - p|
+            loss += (weight * step_loss).sum()
             counted = trained * drafted.float()
             stats += torch.stack(((counted * kl).sum(), (counted * ce).sum(), (trained * agree[start:end]).sum()))
             if need_x or need_w:
                 # d/dlogits of w_kl * KL(p||q) + w_ce * CE(argmax p): (w_kl + w_ce) q - w_kl p - w_ce onehot
-                grad_logits = log_q.exp_().mul_(w_kl + w_ce).sub_(p, alpha=w_kl)
+                grad_logits = q.mul(w_kl + w_ce).sub_(p, alpha=w_kl)
                 grad_logits[torch.arange(end - start, device=x.device), top] -= w_ce
+                if w_tv:  # d TV / d z_j = 1/2 q_j (s_j - sum_x s_x q_x), s = sign(q - p)
+                    grad_logits += (0.5 * w_tv) * q * (sign - (sign * q).sum(-1, keepdim=True))
                 grad_logits.mul_(weight[:, None])
                 if need_x:
                     grad_x[start:end] = (grad_logits.to(lm_head_weight.dtype) @ lm_head_weight).to(x.dtype)
                 if need_w:
                     grad_w += grad_logits.T @ x[start:end].float()
-            del p, log_q
+            del p, log_q, q
         ctx.save_for_backward(grad_x, None if grad_w is None else grad_w.to(lm_head_weight.dtype))
         ctx.mark_non_differentiable(stats, agree)
         return loss, stats, agree
@@ -120,17 +129,17 @@ class _DistillLoss(torch.autograd.Function):
         grad_x, grad_w = ctx.saved_tensors
         gx = grad_x * grad_loss.to(grad_x.dtype) if grad_x is not None else None
         gw = grad_w * grad_loss.to(grad_w.dtype) if grad_w is not None else None
-        return (gx, gw) + (None,) * 7
+        return (gx, gw) + (None,) * 8
 
 
 def distill_loss(x: torch.Tensor, lm_head_weight: torch.Tensor, target: TargetDistribution,
-                 token_weight: torch.Tensor, w_kl: float, w_ce: float,
-                 chunk: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+                 token_weight: torch.Tensor, w_kl: float, w_ce: float, chunk: int,
+                 w_tv: float = 0.0) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """(sum_i token_weight_i * (w_kl KL_i + w_ce CE_i), stats (KL, CE, agreement sums), agree [T]); see _DistillLoss."""
     if chunk < 1:
         raise ValueError(f"loss.chunk_tokens must be >= 1, got {chunk}")
     loss, stats, agree = _DistillLoss.apply(x, lm_head_weight, target.probs, target.greedy, target.neg_entropy,
-                                            token_weight.float(), float(w_kl), float(w_ce), int(chunk))
+                                            token_weight.float(), float(w_kl), float(w_ce), float(w_tv), int(chunk))
     return loss, stats, agree
 
 

@@ -9,7 +9,7 @@ EAGLE-3: its fusion of three layers), step k > 0 the head's own output of step k
 computed once per micro batch (mtp_train.losses.target_distribution) and every step reads its rows; then the
 chunked losses of mtp_train.losses.
 
-    loss = sum_k step_decay^k / N_k * sum_i mask_{k,i} (w_kl KL + w_ce CE + w_feature SmoothL1)
+    loss = sum_k step_decay^k / N_k * sum_i mask_{k,i} (w_kl KL + w_ce CE + w_tv TV + w_feature SmoothL1)
 
 N_k (trained positions at step k over the whole global batch: all ranks and micro batches) is passed in by the
 trainer, so the gradient does not depend on how the global batch is split over ranks and accumulation.
@@ -41,13 +41,14 @@ class LossWeights:
     kl: float = 1.0
     ce: float = 0.0
     feature: float = 0.0
+    tv: float = 0.0
     step_decay: float = 0.8  # step k weighs step_decay ** k
     chunk_tokens: int = 512
 
     @classmethod
     def from_config(cls, loss: DictConfig) -> "LossWeights":
         """From the `loss` node of the training config (mtp_train.config.LossConfig)."""
-        return cls(kl=loss.kl, ce=loss.ce, feature=loss.feature, step_decay=loss.step_decay,
+        return cls(kl=loss.kl, ce=loss.ce, feature=loss.feature, tv=loss.tv, step_decay=loss.step_decay,
                    chunk_tokens=loss.chunk_tokens)
 
 
@@ -93,7 +94,7 @@ class UnrolledHead(nn.Module):
             scale = w.step_decay**k / normalisers[k].clamp(min=1)
             kl_ce, step_stats, agree = distill_loss(head.final_norm(out.hidden_states), lm_head_weight,
                                                     target.rows(step.token_index), token_weight, w.kl, w.ce,
-                                                    w.chunk_tokens)
+                                                    w.chunk_tokens, w.tv)
             trained = token_weight != 0
             reached = trained if chain is None else trained & chain[step.prev_index]
             chain = agree if chain is None else agree & chain[step.prev_index]

@@ -13,7 +13,7 @@ from mtp_train.losses import distill_loss, feature_loss, target_distribution
 
 
 def reference_distill_loss(x, head_weight, target_hidden, norm_weight, lm_head_weight, token_weight, eps, w_kl, w_ce,
-                           draft_ids=None):
+                           draft_ids=None, w_tv=0.0):
     """The same loss with the whole [T, V] logits materialised, by plain autograd: the tests' reference."""
     log_q = torch.log_softmax(F.linear(x, head_weight).float(), dim=-1)
     target_logits = next_token_logits(target_hidden, norm_weight, lm_head_weight, eps)
@@ -27,7 +27,8 @@ def reference_distill_loss(x, head_weight, target_hidden, norm_weight, lm_head_w
     log_p = torch.log_softmax(target_logits, dim=-1)
     kl = (log_p.exp() * (log_p - log_q)).sum(-1)
     ce = -log_q.gather(-1, top.clamp(min=0)[:, None])[:, 0]
-    return (token_weight.float() * drafted * (w_kl * kl + w_ce * ce)).sum(), log_p, log_q, top
+    tv = 0.5 * (log_p.exp() - log_q.exp()).abs().sum(-1)
+    return (token_weight.float() * drafted * (w_kl * kl + w_ce * ce + w_tv * tv)).sum(), log_p, log_q, top
 
 
 def _inputs(tokens=37, hidden=16, vocab=101, seed=0):
@@ -41,17 +42,17 @@ def _inputs(tokens=37, hidden=16, vocab=101, seed=0):
 
 
 @pytest.mark.parametrize("chunk", [1, 5, 1000])
-@pytest.mark.parametrize("w_kl,w_ce", [(1.0, 0.0), (0.0, 1.0), (0.7, 0.3)])
+@pytest.mark.parametrize("w_kl,w_ce,w_tv", [(1.0, 0.0, 0.0), (0.0, 1.0, 0.0), (0.0, 0.0, 1.0), (0.7, 0.3, 3.0)])
 @pytest.mark.parametrize("vocab", ["whole", "draft"])
-def test_chunked_equals_materialised_value_and_gradient(chunk, w_kl, w_ce, vocab):
+def test_chunked_equals_materialised_value_and_gradient(chunk, w_kl, w_ce, w_tv, vocab):
     x, lm_head, target, norm, mask = _inputs()
     draft_ids = torch.arange(0, 101, 2) if vocab == "draft" else None  # half the vocabulary: some argmaxes outside
     head_weight = (lm_head if draft_ids is None else lm_head[draft_ids]).clone().requires_grad_()
     dist = target_distribution(target, norm, lm_head, 1e-5, draft_ids, chunk=7)
-    loss, stats, agree = distill_loss(x, head_weight, dist, mask, w_kl, w_ce, chunk)
+    loss, stats, agree = distill_loss(x, head_weight, dist, mask, w_kl, w_ce, chunk, w_tv)
     grad, grad_w = torch.autograd.grad(loss * 1.7, (x, head_weight))  # a non-unit upstream gradient
     ref, log_p, log_q, top = reference_distill_loss(x, head_weight, target, norm, lm_head, mask, 1e-5, w_kl, w_ce,
-                                                    draft_ids)
+                                                    draft_ids, w_tv)
     ref_grad, ref_grad_w = torch.autograd.grad(ref * 1.7, (x, head_weight))
     torch.testing.assert_close(loss, ref.float(), rtol=1e-6, atol=1e-6)
     torch.testing.assert_close(grad, ref_grad, rtol=1e-4, atol=1e-6)  # logits are fp32, as in training
