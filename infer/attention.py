@@ -184,6 +184,7 @@ class _Group:
         return out.transpose(1, 2).reshape(-1, *out.shape[1:2], out.shape[-1])
 
     def set_mask(self, mask: torch.Tensor | None) -> None:
+        """A new boolean mask (a decode run's next step): the SDPA masks built from the old one are dropped."""
         self.mask = mask
         self._sdpa_masks: dict[tuple[torch.dtype, int], torch.Tensor] = {}
 
