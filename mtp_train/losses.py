@@ -78,14 +78,14 @@ class _DistillLoss(torch.autograd.Function):
     @staticmethod
     def forward(ctx, x, lm_head_weight, probs, greedy, neg_entropy, token_weight, w_kl, w_ce, w_tv, chunk):
         """x [T, H] the head's final-normed states; probs [T, Vd], greedy [T], neg_entropy [T] the target's rows
-        (TargetDistribution); token_weight [T] fp32 (0 on untrained positions). Returns (weighted loss sum, stats [3]:
+        (TargetDistribution); token_weight [T] fp32 (0 on untrained positions). Returns (weighted loss sum, stats [4]:
         unweighted sums over positions with token_weight > 0 of KL and CE, where the target's argmax is drafted,
-        and of top-1 agreement; agree [T] bool: the head's argmax is the target's)."""
+        of top-1 agreement, and of TV where drafted; agree [T] bool: the head's argmax is the target's)."""
         need_x, need_w = ctx.needs_input_grad[0], ctx.needs_input_grad[1]
         grad_x = torch.empty_like(x) if need_x else None
         grad_w = torch.zeros(lm_head_weight.shape, dtype=torch.float32, device=x.device) if need_w else None
         loss = torch.zeros((), dtype=torch.float32, device=x.device)
-        stats = torch.zeros(3, dtype=torch.float32, device=x.device)
+        stats = torch.zeros(4, dtype=torch.float32, device=x.device)
         agree = torch.zeros(x.shape[0], dtype=torch.bool, device=x.device)
         for start in range(0, x.shape[0], chunk):
             end = min(start + chunk, x.shape[0])
@@ -101,25 +101,25 @@ class _DistillLoss(torch.autograd.Function):
             ce = -log_q.gather(-1, top[:, None])[:, 0]
             agree[start:end] = (log_q.argmax(-1) == top) & drafted
             q = log_q.exp()
-            step_loss = w_kl * kl + w_ce * ce
-            if w_tv:
-                sign = (q - p).sign_()
-                step_loss = step_loss + (0.5 * w_tv) * (sign * (q - p)).sum(-1)  # sign * (q - p) = |q - p|
-            loss += (weight * step_loss).sum()
+            diff = q - p
+            tv = 0.5 * diff.abs().sum(-1)  # [c], reported whatever its weight
+            loss += (weight * (w_kl * kl + w_ce * ce + w_tv * tv)).sum()
             counted = trained * drafted.float()
-            stats += torch.stack(((counted * kl).sum(), (counted * ce).sum(), (trained * agree[start:end]).sum()))
+            stats += torch.stack(((counted * kl).sum(), (counted * ce).sum(), (trained * agree[start:end]).sum(),
+                                  (counted * tv).sum()))
             if need_x or need_w:
                 # d/dlogits of w_kl * KL(p||q) + w_ce * CE(argmax p): (w_kl + w_ce) q - w_kl p - w_ce onehot
                 grad_logits = q.mul(w_kl + w_ce).sub_(p, alpha=w_kl)
                 grad_logits[torch.arange(end - start, device=x.device), top] -= w_ce
                 if w_tv:  # d TV / d z_j = 1/2 q_j (s_j - sum_x s_x q_x), s = sign(q - p)
+                    sign = diff.sign_()
                     grad_logits += (0.5 * w_tv) * q * (sign - (sign * q).sum(-1, keepdim=True))
                 grad_logits.mul_(weight[:, None])
                 if need_x:
                     grad_x[start:end] = (grad_logits.to(lm_head_weight.dtype) @ lm_head_weight).to(x.dtype)
                 if need_w:
                     grad_w += grad_logits.T @ x[start:end].float()
-            del p, log_q, q
+            del p, log_q, q, diff
         ctx.save_for_backward(grad_x, None if grad_w is None else grad_w.to(lm_head_weight.dtype))
         ctx.mark_non_differentiable(stats, agree)
         return loss, stats, agree
@@ -135,7 +135,8 @@ class _DistillLoss(torch.autograd.Function):
 def distill_loss(x: torch.Tensor, lm_head_weight: torch.Tensor, target: TargetDistribution,
                  token_weight: torch.Tensor, w_kl: float, w_ce: float, chunk: int,
                  w_tv: float = 0.0) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """(sum_i token_weight_i * (w_kl KL_i + w_ce CE_i), stats (KL, CE, agreement sums), agree [T]); see _DistillLoss."""
+    """(sum_i token_weight_i * (w_kl KL_i + w_ce CE_i + w_tv TV_i), stats (KL, CE, agreement, TV sums), agree [T]);
+    see _DistillLoss."""
     if chunk < 1:
         raise ValueError(f"loss.chunk_tokens must be >= 1, got {chunk}")
     loss, stats, agree = _DistillLoss.apply(x, lm_head_weight, target.probs, target.greedy, target.neg_entropy,

@@ -33,7 +33,7 @@ from mtp_train.ttt import ChainAttention
 # Stats columns per unroll step, sums over trained positions. reached: anchors where every earlier step agreed with
 # the target (all of them at step 0), the positions the runtime's chain reaches; reached_top1: of those, this step
 # agrees too. reached_top1 / reached is the trainer's conditional acceptance at draft position k + 1.
-STATS = ("kl", "ce", "top1", "reached", "reached_top1", "feature")
+STATS = ("kl", "ce", "top1", "tv", "reached", "reached_top1", "feature")
 
 
 @dataclass
@@ -111,11 +111,12 @@ def per_step_means(sums: torch.Tensor, counts: torch.Tensor) -> dict:
     """sums [K, len(STATS)] and counts [K] -> {kl_0: ..., top1_0: ..., cond_top1_0: ...}.
 
     top1_k is step k's teacher-forced agreement over every trained anchor; cond_top1_k its agreement where steps
-    0..k-1 agreed too, the trainer's counterpart of the runtime's conditional acceptance at draft position k + 1."""
+    0..k-1 agreed too, the trainer's counterpart of the runtime's conditional acceptance at draft position k + 1.
+    1 - tv_0 is the acceptance a sampled draft would get at position 1 on the training text (at T=1)."""
     out = {}
     for k in range(sums.shape[0]):
         n = max(float(counts[k]), 1.0)
-        kl, ce, agree, reached, reached_top1, feat = sums[k].tolist()
-        out.update({f"kl_{k}": kl / n, f"ce_{k}": ce / n, f"top1_{k}": agree / n, f"feature_{k}": feat / n,
-                    f"cond_top1_{k}": reached_top1 / max(reached, 1.0)})
+        kl, ce, agree, tv, reached, reached_top1, feat = sums[k].tolist()
+        out.update({f"kl_{k}": kl / n, f"ce_{k}": ce / n, f"top1_{k}": agree / n, f"tv_{k}": tv / n,
+                    f"feature_{k}": feat / n, f"cond_top1_{k}": reached_top1 / max(reached, 1.0)})
     return out

@@ -63,6 +63,8 @@ def test_chunked_equals_materialised_value_and_gradient(chunk, w_kl, w_ce, w_tv,
     matches = (log_q.detach().argmax(-1) == top) & (top >= 0)
     torch.testing.assert_close(stats[0].double(), (kl * mask * drafted).sum(), rtol=1e-5, atol=1e-6)
     torch.testing.assert_close(stats[2].double(), (matches.double() * mask).sum())
+    tv = 0.5 * (log_p.exp() - log_q.detach().exp()).abs().sum(-1)  # reported whatever its weight
+    torch.testing.assert_close(stats[3].double(), (tv * mask * drafted).sum(), rtol=1e-5, atol=1e-6)
     assert torch.equal(agree, matches)
     if vocab == "draft":
         assert 0 < int(drafted.sum()) < len(drafted)  # the case a draft vocabulary brings is exercised
