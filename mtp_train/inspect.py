@@ -45,6 +45,7 @@ from torch import nn
 from transformers import PretrainedConfig
 
 from data_tools.config import CONF_DIR, DTYPE_NAMES, compose
+from infer.cli import run_cli
 from infer.engine import EngineConfig
 from infer.kv_cache import pages_needed
 from infer.loader import DTYPES, build_on_meta
@@ -298,4 +299,4 @@ def main(argv: list[str] | None = None) -> int:
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    sys.exit(run_cli(main))

@@ -11,6 +11,7 @@ the process's baseline (before any weight exists) next to
 
 from __future__ import annotations
 
+import argparse
 import resource
 import sys
 import time
@@ -18,6 +19,7 @@ import time
 import torch
 from torch import nn
 
+from infer.cli import run_cli
 from infer.models.mtp_head import SharedTargetWeights, head_module
 from mtp_train.data import PackedBatch
 from mtp_train.config import compose_training
@@ -31,8 +33,11 @@ def peak_rss() -> int:
     return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024  # Linux reports KiB
 
 
-def main(argv: list[str]) -> int:
-    cfg = compose_training(argv, complete=False)
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="python -m mtp_train.measure_step", description=__doc__,
+                                     formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("overrides", nargs="*", help="Hydra overrides, as for mtp_train.train (model=..., loss.*=...)")
+    cfg = compose_training(parser.parse_args(argv).overrides, complete=False)
     tokens = cfg.trainer.seq_len
     baseline = peak_rss()
     config = target_config(cfg.model, need_weights=False)
@@ -77,4 +82,4 @@ def main(argv: list[str]) -> int:
 
 
 if __name__ == "__main__":
-    sys.exit(main(sys.argv[1:]))
+    sys.exit(run_cli(main))

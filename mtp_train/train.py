@@ -46,6 +46,19 @@ def train(cfg: DictConfig) -> None:
         distributed.shutdown()
 
 
+def precheck_overrides(argv: list[str]) -> None:
+    """Compose the key=value overrides once before Hydra does: Hydra reports an unknown config group or key itself
+    (on every rank, then torchrun's failure box), where this makes it one user error like any other."""
+    from data_tools.config import ConfigError  # noqa: PLC0415
+    from mtp_train.config import compose_training  # noqa: PLC0415
+
+    try:
+        compose_training([a for a in argv if "=" in a and not a.startswith("-")], complete=False)
+    except ConfigError as err:
+        launch.exit_on_user_error(err)
+
+
 if __name__ == "__main__":
     launch.bind_to_launcher()
+    precheck_overrides(sys.argv[1:])
     sys.exit(main())

@@ -89,6 +89,18 @@ def test_user_error_under_torchrun_is_one_line_printed_once(tmp_path: Path, stor
     assert sorted(p.name for p in (tmp_path / "out").iterdir()) == ["train.log"]  # run.lock: released at exit
 
 
+def test_unknown_config_group_under_torchrun_is_one_line_printed_once(tmp_path: Path, stories_hf_dir: Path):
+    """Hydra reports such a mistake itself (on every rank, then torchrun's failure box) unless the overrides are
+    composed first (mtp_train.train.precheck_overrides)."""
+    result = _train(tmp_path / "out", tmp_path, stories_hf_dir, extra=["head=nosuch"], nproc=2, check=False)
+    output = result.stdout + result.stderr
+    assert result.returncode == 2, output
+    lines = _lines(output)
+    assert len(lines) == 1 and lines[0].startswith("error: config: In 'config': Could not find 'head/nosuch'"), output
+    assert "eagle3" in lines[0]  # the choices there are named
+    assert "Traceback" not in output and "ChildFailedError" not in output
+
+
 @pytest.mark.parametrize("target, sig", [("launcher", signal.SIGTERM), ("launcher", signal.SIGINT),
                                          ("launcher", signal.SIGHUP), ("group", signal.SIGTERM),
                                          ("group", signal.SIGKILL)])
