@@ -29,6 +29,9 @@ def add_engine_args(parser: argparse.ArgumentParser) -> None:
                        help="token budget of one step; longer prompts are prefilled in chunks (default 2048)")
     group.add_argument("--attention-backend", choices=["auto", "torch", "flashinfer"], default="auto",
                        help="auto: FlashInfer on CUDA when installed, torch otherwise")
+    group.add_argument("--decode-run-steps", type=int, default=8,
+                       help="plain decode steps of an unchanged batch whose page metadata and attention plan are "
+                            "built at once (1: every step alone; default 16)")
 
 
 def add_spec_args(parser: argparse.ArgumentParser) -> None:
@@ -62,14 +65,15 @@ def attach_spec(engine, args: argparse.Namespace, batch_size: int) -> None:
 
 
 def engine_kwargs(args: argparse.Namespace, max_num_seqs: int) -> dict:
-    for flag in ("page_size", "num_pages", "max_num_batched_tokens"):
+    for flag in ("page_size", "num_pages", "max_num_batched_tokens", "decode_run_steps"):
         value = getattr(args, flag)
         if value is not None and value < 1:
             raise CliError(f"--{flag.replace('_', '-')} must be >= 1, got {value}")
     if max_num_seqs < 1:
         raise CliError(f"--batch-size must be >= 1, got {max_num_seqs}")
     return dict(page_size=args.page_size, num_pages=args.num_pages, max_num_seqs=max_num_seqs,
-                max_num_batched_tokens=args.max_num_batched_tokens, backend=args.attention_backend)
+                max_num_batched_tokens=args.max_num_batched_tokens, backend=args.attention_backend,
+                decode_run_steps=args.decode_run_steps)
 
 
 def run_cli(main: Callable[[], int]) -> int:

@@ -3,7 +3,8 @@
 Every step the scheduler packs one batch under a token budget and a page budget: running requests first
 (decode is one token; a long prompt is prefilled in chunks), then waiting requests while budget and pages
 last. When pages run out, the most recently admitted request is preempted: its pages are freed and it is
-requeued to be recomputed later, so the engine never crashes for lack of memory.
+requeued to be recomputed later, so the engine never crashes for lack of memory. A batch of decodes that stays the
+same is planned in runs of `decode_run_steps` steps: one page-metadata build and one attention plan per run.
 
 With a drafter attached, a decode-only batch takes one `infer.speculative.speculative_decode` round instead of
 a plain forward; the engine owns everything that round changes: tokens, stops, page tables and statistics.
@@ -21,7 +22,7 @@ from pathlib import Path
 import torch
 from transformers import PreTrainedTokenizerBase
 
-from infer.kv_cache import OutOfPages, PagePool, PageTable, build_page_metadata, pages_needed
+from infer.kv_cache import DecodeSteps, OutOfPages, PagePool, PageMetadata, PageTable, build_page_metadata, pages_needed
 from infer.loader import default_eos_ids, load_model, load_tokenizer
 from infer.model_runner import ModelRunner
 from infer.models.mtp_head import DRAFTER_KINDS, load_head
@@ -110,6 +111,18 @@ class EngineConfig:
     backend: str = "auto"
     num_draft_tokens: int = 4  # K, when a drafter is attached
     draft_catch_up: str = "accepted"  # MTP heads: "accepted" or "verified" (the seed's schedule, infer.speculative)
+    decode_run_steps: int = 16  # plain decode steps whose metadata and attention plan are built at once (1: per step)
+
+
+@dataclass
+class _DecodeRun:
+    """Plain decode steps planned at once (Engine._decode_run_meta): the batch's requests in order, their kv lengths
+    at the run's first step, and the next step to serve."""
+
+    steps: DecodeSteps
+    request_ids: list[int]
+    first_kv_lens: list[int]
+    next: int = 1
 
 
 @dataclass
@@ -137,8 +150,8 @@ class Engine:
         param = next(model.parameters())
         self.device = param.device
         cfg = self.config
-        if cfg.max_num_batched_tokens < 1 or cfg.max_num_seqs < 1:
-            raise ValueError("max_num_batched_tokens and max_num_seqs must be >= 1")
+        if cfg.max_num_batched_tokens < 1 or cfg.max_num_seqs < 1 or cfg.decode_run_steps < 1:
+            raise ValueError("max_num_batched_tokens, max_num_seqs and decode_run_steps must be >= 1")
         num_pages = cfg.num_pages or self._default_num_pages(param.dtype)
         self.pool = PagePool(num_pages, cfg.page_size)
         self.runner = ModelRunner(model, num_pages, cfg.page_size, cfg.backend)
@@ -148,6 +161,7 @@ class Engine:
         self.num_steps = 0
         self.drafter: Drafter | None = None
         self.num_draft_tokens = cfg.num_draft_tokens
+        self._decode_run: _DecodeRun | None = None
         self.spec_stats: SpecStats | None = None
 
     def load_drafter(self, kind: str, path: str | Path) -> None:
@@ -361,7 +375,9 @@ class Engine:
         page_lists = rows.page_lists + [r.page_table.pages for r in speculating]
         q_lens = rows.q_lens + [k + 1] * len(speculating)
         kv_lens = rows.kv_lens + [r.num_computed + k + 1 for r in speculating]
-        meta = build_page_metadata(page_lists, q_lens, kv_lens, self.config.page_size, self.device)
+        meta = None if speculating else self._decode_run_meta(rows)
+        if meta is None:
+            meta = build_page_metadata(page_lists, q_lens, kv_lens, self.config.page_size, self.device)
         ids = torch.tensor(rows.input_ids, dtype=torch.long, device=self.device)
         logits_rows = None  # decodes only: every row samples, no rows to pick
         if speculating or len(rows.sampling) < rows.num_tokens:
@@ -371,6 +387,39 @@ class Engine:
             verify_rows = torch.arange(rows.num_tokens, ids.shape[0], device=self.device)
             logits_rows = torch.cat((logits_rows, verify_rows))
         return self.runner.run(ids, meta, logits_rows, aux_layers=self.drafter.target_aux_layers if self.drafter else ())
+
+    def _decode_run_meta(self, rows: "_PlainRows") -> PageMetadata | None:
+        """A batch of one-token rows takes its step of a run of `decode_run_steps` decode steps built at once
+        (`DecodeSteps`: one metadata build and one attention plan for the run instead of one per step; each step
+        reads the run's last step's pages, masked), while the batch stays the same requests in the same order.
+
+        A new run reserves the pages its steps write. None (a step built alone) for other batches, with a drafter
+        attached (it owns the page tables' tails), and when the pool cannot hold the run's pages.
+        """
+        size = self.config.decode_run_steps
+        if size == 1 or self.drafter is not None or rows.num_tokens != len(rows.scheduled):
+            self._decode_run = None
+            return None
+        ids = [r.request_id for r, _ in rows.scheduled]
+        run = self._decode_run
+        if (run is not None and run.next < run.steps.num_steps and run.request_ids == ids
+                and rows.kv_lens == [kv + run.next for kv in run.first_kv_lens]):
+            run.next += 1
+            return run.steps.step(run.next - 1)
+        self._decode_run = None
+        requests = [r for r, _ in rows.scheduled]
+        # the run ends where the first request would stop for length (an earlier stop ends it too) or meet the
+        # context's end
+        steps = min(size, *(r.params.max_new_tokens - len(r.output_ids) for r in requests),
+                    *(self.max_model_len - kv + 1 for kv in rows.kv_lens))
+        ends = [kv + steps - 1 for kv in rows.kv_lens]
+        if steps <= 1 or sum(r.page_table.pages_to_grow(end) for r, end in zip(requests, ends)) > self.pool.num_free:
+            return None
+        for request, end in zip(requests, ends):
+            request.page_table.extend(end)
+        run = self._decode_run = _DecodeRun(DecodeSteps(rows.page_lists, [kv - 1 for kv in rows.kv_lens], steps,
+                                                        self.config.page_size, self.device), ids, rows.kv_lens)
+        return run.steps.step(0)
 
     def _settle_speculation(self, requests: list[Request], out: SpecOutput,
                             finished: list[Request]) -> dict[int, tuple[int, torch.Tensor]]:
@@ -478,34 +527,47 @@ class Engine:
                       num_draft_tokens: int | None = None) -> ForwardCosts:
         """The fastest of `repeats` timings of each forward behind speculation, over batch_size sequences with
         `context` tokens cached (pages borrowed from the pool, then returned); the verify forward is K+1 tokens
-        long, K the engine's or `num_draft_tokens`."""
+        long, K the engine's or `num_draft_tokens`. A plain decode forward is timed as the engine runs it: the mean
+        step of a decode run of `decode_run_steps` steps (its plan paid once)."""
         if self.drafter is None:
             raise RuntimeError("forward costs of speculation need a drafter attached")
         k = num_draft_tokens or self.num_draft_tokens
         hidden = {"hidden_states": torch.zeros(batch_size, self.model.config.hidden_size, device=self.device,
                                                dtype=self.drafter.runner.dtype)} if self.drafter.needs_hidden_states else {}
-        return ForwardCosts(decode=self._forward_cost(self.runner, batch_size, 1, context, repeats),
+        return ForwardCosts(decode=self._forward_cost(self.runner, batch_size, 1, context, repeats,
+                                                      run_steps=self.config.decode_run_steps),
                             draft=self._forward_cost(self.drafter.runner, batch_size, 1, context, repeats, **hidden),
                             verify=self._forward_cost(self.runner, batch_size, k + 1, context, repeats))
 
     def _forward_cost(self, runner: ModelRunner, batch_size: int, q_len: int, context: int, repeats: int,
-                      **model_inputs) -> float:
+                      run_steps: int = 1, **model_inputs) -> float:
+        """One forward's seconds; run_steps > 1 (one-token forwards): a step's share of a DecodeSteps run."""
         tables = [PageTable(self.pool) for _ in range(batch_size)]
         try:
             for table in tables:
-                table.extend(context + q_len)
-            meta = build_page_metadata([t.pages for t in tables], [q_len] * batch_size,
-                                       [context + q_len] * batch_size, self.config.page_size, self.device)
+                table.extend(context + q_len + run_steps - 1)
+            pages, page_size = [t.pages for t in tables], self.config.page_size
+            single = build_page_metadata(pages, [q_len] * batch_size, [context + q_len] * batch_size, page_size,
+                                         self.device)
+
+            def metas() -> list[PageMetadata]:  # a fresh run each time: its first step plans it
+                if run_steps == 1:
+                    return [single]
+                run = DecodeSteps(pages, [context] * batch_size, run_steps, page_size, self.device)
+                return [run.step(j) for j in range(run_steps)]
+
             ids = torch.ones(batch_size * q_len, dtype=torch.long, device=self.device)
             rows = torch.arange(batch_size * q_len, device=self.device)
             if "hidden_states" in model_inputs:  # [B, H] -> one row per new token
                 model_inputs = {"hidden_states": model_inputs["hidden_states"].repeat_interleave(q_len, dim=0)}
-            runner.run(ids, meta, rows, **model_inputs)  # warm-up
             times = []
-            for _ in range(repeats):  # the fastest run: noise on a shared machine only ever adds time
+            for repeat in range(repeats + 1):  # the fastest: noise on a shared machine only ever adds time
+                steps = metas()  # built outside the timing, as the engine builds them before the forward
                 start = time.perf_counter()
-                runner.run(ids, meta, rows, **model_inputs)
-                times.append(time.perf_counter() - start)
+                for meta in steps:
+                    runner.run(ids, meta, rows, **model_inputs)
+                if repeat:  # the first is a warm-up
+                    times.append((time.perf_counter() - start) / len(steps))
             return min(times)
         finally:
             for table in tables:

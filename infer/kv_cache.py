@@ -187,8 +187,9 @@ def build_page_metadata(
 class DecodeSteps:
     """The metadata of successive one-token forwards over fixed page tables, built once for all of them.
 
-    Draft forwards are such a run: step j writes position first[b] + j of every sequence, so positions advance by
-    one and kv lengths follow. Every step's fields are listed here in one pass and cut from one buffer (as in
+    Draft forwards are such a run, and so are the plain decode steps of a batch that does not change (the engine's
+    decode runs): step j writes position first[b] + j of every sequence, so positions advance by one and kv lengths
+    follow. Every step's fields are listed here in one pass and cut from one buffer (as in
     `build_page_metadata`, without a host read): [S, B] for positions, slots and lengths, S steps; `step(j)` then only
     slices them. Each step equals what `build_page_metadata` gives for it.
     """

@@ -9,6 +9,7 @@ import pytest
 import torch
 
 from infer.engine import Engine, EngineConfig, Request
+from infer.kv_cache import DecodeSteps
 from infer.sampling_params import SamplingParams
 
 pytestmark = pytest.mark.usefixtures("one_torch_thread")
@@ -203,9 +204,10 @@ def test_request_larger_than_the_whole_cache_never_crashes_mid_run(make_engine):
 
 
 def test_random_schedules_give_the_ample_engines_tokens(make_engine):
-    """Random prompts, arrivals between steps, tiny token budgets, pages of 1-4 tokens and pools barely larger than
-    the longest request (so chunking, batching caps and preemption all mix): every request's tokens, greedy or
-    seeded, equal those of an ample engine that ran them all at once, and every page comes back."""
+    """Random prompts, arrivals between steps, tiny token budgets, pages of 1-4 tokens, pools barely larger than
+    the longest request (so chunking, batching caps and preemption all mix) and decode runs of 2 or 8 steps: every
+    request's tokens, greedy or seeded, equal those of an ample engine that ran them all at once building each
+    step's metadata alone, and every page comes back."""
     rng = random.Random(0)
     total_preemptions = 0
     for _ in range(8):
@@ -216,12 +218,13 @@ def test_random_schedules_give_the_ample_engines_tokens(make_engine):
                            seed=rng.randrange(100))
             for _ in range(n)
         ]
-        expected = make_engine().generate(prompts, params)
+        expected = make_engine(decode_run_steps=1).generate(prompts, params)
         page_size = rng.choice([1, 2, 4])
         longest = max(len(p) + sp.max_new_tokens for p, sp in zip(prompts, params))
         engine = make_engine(
             page_size=page_size, num_pages=-(-longest // page_size) + rng.randrange(0, 6),
             max_num_batched_tokens=rng.choice([1, 3, 8, 64]), max_num_seqs=rng.choice([1, 2, 8]),
+            decode_run_steps=rng.choice([2, 8]),
         )
         requests, pending = [], list(zip(prompts, params))
         while pending or engine.has_unfinished():
@@ -232,6 +235,32 @@ def test_random_schedules_give_the_ample_engines_tokens(make_engine):
         assert engine.pool.num_free == engine.pool.num_pages
         total_preemptions += sum(r.num_preemptions for r in requests)
     assert total_preemptions > 0
+
+
+def test_decode_runs_plan_once_per_run_and_give_the_per_step_tokens(make_engine, monkeypatch):
+    """An unchanged batch of decodes builds its metadata (and its attention plan) once per run of decode_run_steps
+    steps, not once per step, with the tokens of per-step builds; a control whose steps all reuse the run's first
+    step's metadata gives other tokens, so the comparison can fail."""
+    import infer.engine as engine_module
+
+    prompts, params = PROMPTS[:4], SamplingParams(max_new_tokens=40, ignore_eos=True)
+    expected = [r.output_ids for r in make_engine(decode_run_steps=1).generate(prompts, params)]
+    builds = {"run": 0, "step": 0}
+
+    def counted(name, build):
+        def wrapper(*args, **kwargs):
+            builds[name] += 1
+            return build(*args, **kwargs)
+        return wrapper
+
+    monkeypatch.setattr(engine_module, "DecodeSteps", counted("run", engine_module.DecodeSteps))
+    monkeypatch.setattr(engine_module, "build_page_metadata", counted("step", engine_module.build_page_metadata))
+    engine = make_engine(decode_run_steps=8)
+    assert [r.output_ids for r in engine.generate(prompts, params)] == expected
+    assert builds == {"run": 5, "step": 1}  # the prefill, then 39 decode steps in runs of 8, 8, 8, 8 and 7
+
+    monkeypatch.setattr(DecodeSteps, "step", lambda run, j, step=DecodeSteps.step: step(run, 0))
+    assert [r.output_ids for r in make_engine(decode_run_steps=8).generate(prompts, params)] != expected
 
 
 # --- stopping ---------------------------------------------------------------------------------------------------
