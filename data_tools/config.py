@@ -59,6 +59,7 @@ class ModelConfig:
     validate_in_training: bool = True  # serve the head with infer/ at each evaluation (the target on validate_tp ranks)
     validate_tp: int = field(default=1, metadata=at_least(1))  # ranks that serve the target in validation, 1/T each
     draft_vocab_size: Optional[int] = field(default=None, metadata=at_least(1))  # EAGLE-3's, per target vocabulary
+    head_intermediate_size: Optional[int] = field(default=None, metadata=at_least(1))  # heads' MLP (null: the target's)
 
 
 @dataclass
@@ -95,6 +96,9 @@ class HeadConfig:
     proj_bias: bool = False
     hidden_state: str = field(default="pre_norm", metadata=one_of("pre_norm", "post_norm"))
     mlp: str = field(default="dense", metadata=one_of("dense", "moe"))  # "moe": DeepSeek-V2 targets only
+    # the decoder layer's dense MLP width; null: the target's (from_target_last_layer widens the target's MLP
+    # without changing its function, mtp_train.heads.widen_mlp)
+    intermediate_size: Optional[int] = field(default=None, metadata=at_least(1))
     init: str = field(default="from_target_last_layer", metadata=one_of("from_target_last_layer", "random"))
     loss: HeadLoss = field(default_factory=HeadLoss)
     # EAGLE-3 (infer/models/eagle3_head.py): target layer ids (null: the default rule), the draft vocabulary

@@ -50,7 +50,8 @@ def head_config(config: PretrainedConfig, head_cfg: DictConfig, identity: dict) 
     eagle3 = head_cfg.architecture == "eagle3"
     layer_ids = list(head_cfg.layer_ids) if eagle3 and head_cfg.layer_ids is not None else None
     return head_config_for(config, identity, head_cfg.architecture, head_cfg.hidden_state, head_cfg.mlp,
-                           layer_ids=layer_ids, draft_vocab_size=head_cfg.draft_vocab_size if eagle3 else None,
+                           layer_ids=layer_ids, intermediate_size=head_cfg.intermediate_size,
+                           draft_vocab_size=head_cfg.draft_vocab_size if eagle3 else None,
                            trainable_lm_head=bool(head_cfg.trainable_lm_head) if eagle3 else False,
                            **{name: head_cfg[name] for name in SWITCHES})
 
@@ -114,21 +115,49 @@ def _checkpoint_names(name: str) -> list[str]:
     return [name]
 
 
+def widen_mlp(layer: dict[str, torch.Tensor], width: int, std: float) -> dict[str, torch.Tensor]:
+    """A target layer's dense MLP widened to `width` units, computing the same function: the new units' gate and up
+    rows are drawn N(0, std) and their down_proj columns are zero (Net2Net's function-preserving widening, Chen et
+    al. 2016), so the head starts as the target's layer and training grows into the new units (their down_proj
+    columns get gradients at once). Fused (gate_up_proj, Llama) and separate (gate_proj, up_proj) layouts."""
+    down = layer["mlp.down_proj.weight"]
+    extra = width - down.shape[1]
+    if extra < 0:
+        raise TargetError(f"head.intermediate_size={width} is narrower than the target layer's MLP "
+                          f"({down.shape[1]}): a narrower head starts from head.init=random")
+    if extra == 0:
+        return layer
+
+    def grown(part: torch.Tensor) -> torch.Tensor:  # the new units' rows after the target's: weights drawn, biases 0
+        rows = torch.randn(extra, *part.shape[1:], dtype=part.dtype) * std if part.dim() == 2 else part.new_zeros(extra)
+        return torch.cat((part, rows))
+
+    out = dict(layer)
+    for name in ("gate_up_proj",) if "mlp.gate_up_proj.weight" in layer else ("gate_proj", "up_proj"):
+        for key in (f"mlp.{name}.weight", f"mlp.{name}.bias"):
+            if key in layer:  # gate_up_proj: gate's rows then up's, each grown
+                out[key] = torch.cat([grown(part) for part in layer[key].chunk(2 if name == "gate_up_proj" else 1)])
+    out["mlp.down_proj.weight"] = torch.cat((down, down.new_zeros(down.shape[0], extra)), dim=1)
+    return out
+
+
 def init_head(head: DraftHead, target: Target, init: str, path: str) -> None:
     head.init_identity_projection()
+    width = head.config.decoder_config().intermediate_size
+    std = float(getattr(target.config, "initializer_range", 0.02))
     with torch.no_grad():
         if init == "from_target_last_layer" and head.config.architecture == "eagle3":
             with torch.device("meta"):  # the names of a target layer, to read from the checkpoint
                 names = [name for name, _ in LlamaDecoderLayer(head.config.decoder_config()).named_parameters()]
-            head.load_target_layer(layer_state_from_checkpoint(path, target.config, names))
+            head.load_target_layer(widen_mlp(layer_state_from_checkpoint(path, target.config, names), width, std))
             head.final_norm.weight.copy_(target.norm_weight)
         elif init == "from_target_last_layer":
             names = [name for name, _ in head.layer.named_parameters()]
-            head.layer.load_state_dict(layer_state_from_checkpoint(path, target.config, names,
-                                                                   moe_mlp=head.config.mlp == "moe"))
+            state = layer_state_from_checkpoint(path, target.config, names, moe_mlp=head.config.mlp == "moe")
+            head.layer.load_state_dict(state if head.config.mlp == "moe" else widen_mlp(state, width, std))
             if head.config.final_norm:
                 head.final_norm.weight.copy_(target.norm_weight)
         else:
-            init_random(head.layer, float(getattr(target.config, "initializer_range", 0.02)))
+            init_random(head.layer, std)
             if head.config.final_norm:
                 head.final_norm.weight.fill_(1.0)

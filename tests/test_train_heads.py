@@ -20,7 +20,7 @@ from data_tools.config import ConfigError
 from mtp_train.config import compose_training
 from mtp_train.heads import build_head
 from mtp_train.inspect import parameter_counts
-from mtp_train.target import load_target
+from mtp_train.target import TargetError, load_target
 from mtp_train.trainer import param_groups
 from mtp_train.unroll import STATS, LossWeights, UnrolledHead
 
@@ -126,6 +126,38 @@ def test_init_from_target_last_layer_is_the_runtime_untrained_head(stories_hf_di
     assert not torch.equal(random.layer.mlp.down_proj.weight, head.layer.mlp.down_proj.weight)
 
 
+@pytest.mark.parametrize("arch", ["mtp", "eagle3"])
+def test_a_wider_head_mlp_starts_as_the_target_layer_and_trains_its_new_units(stories_hf_dir, target, arch):
+    """head.intermediate_size widens the target layer's MLP without changing the head's function (new units: drawn
+    gate/up rows, zero down_proj columns), the new units get gradients, and the runtime builds the wider layer from
+    the head's config. A control that draws the down_proj columns too changes the function."""
+    from mtp_train.heads import widen_mlp  # noqa: PLC0415
+
+    narrow = build_head(target, _cfg(stories_hf_dir, [f"head={arch}"]).head, str(stories_hf_dir))
+    wide = build_head(target, _cfg(stories_hf_dir, [f"head={arch}", "head.intermediate_size=400"]).head,
+                      str(stories_hf_dir))
+    assert wide.layer.mlp.gate_up_proj.weight.shape == (800, 64) and wide.layer.mlp.down_proj.weight.shape == (64, 400)
+    assert wide.config.decoder_config().intermediate_size == 400
+    g = torch.Generator().manual_seed(0)
+    ids, lens, hidden = torch.randint(0, 512, (11,), generator=g), [6, 5], torch.randn(11, 64, generator=g)
+    positions = torch.cat([torch.arange(n) for n in lens])
+
+    def logits(head):
+        return head(ids, positions, PackedCausalAttention(lens), [None], hidden_states=hidden).logits
+
+    torch.testing.assert_close(logits(wide), logits(narrow), rtol=1e-5, atol=1e-5)
+    logits(wide).logsumexp(-1).sum().backward()
+    assert wide.layer.mlp.down_proj.weight.grad[:, 172:].abs().sum() > 0  # the new units learn
+    state = {k: v.clone() for k, v in narrow.layer.state_dict().items()}
+    control = widen_mlp(state, 400, 0.02)
+    control["mlp.down_proj.weight"][:, 172:] = 0.02  # a widening that is not function-preserving
+    with torch.no_grad():
+        wide.layer.mlp.down_proj.weight.copy_(control["mlp.down_proj.weight"])
+    assert not torch.allclose(logits(wide), logits(narrow), rtol=1e-5, atol=1e-5)
+    with pytest.raises(TargetError, match="narrower than the target layer's MLP"):
+        widen_mlp(state, 100, 0.02)
+
+
 @pytest.mark.parametrize("arch", ["mtp", "eagle1"])
 def test_exported_head_serves_the_trained_function(tmp_path, stories_hf_dir, target, stories_model, arch):
     cfg = _cfg(stories_hf_dir, [f"head={arch}"])
@@ -220,6 +252,14 @@ def test_deepseek_target_head_init_and_training_step(tmp_path):
     assert sorted(moe.layer.state_dict()) == sorted(last) and "mlp.experts.3.down_proj.weight" in last
     for name, value in moe.layer.state_dict().items():
         torch.testing.assert_close(value, last[name], rtol=0, atol=0, msg=name)
+    # a wider dense MLP (separate gate/up layout): the target's units first, the new ones silent
+    wide = build_head(target, compose([f"model.path={tmp_path}", "head.intermediate_size=64"]).head, str(tmp_path))
+    for name in ("gate_proj", "up_proj"):
+        torch.testing.assert_close(getattr(wide.layer.mlp, name).weight[:48], getattr(head.layer.mlp, name).weight)
+    assert wide.layer.mlp.down_proj.weight.shape == (32, 64) and not wide.layer.mlp.down_proj.weight[:, 48:].any()
+    with pytest.raises(HeadLoadError, match="an MoE head keeps the target's experts"):
+        build_head(target, compose([f"model.path={tmp_path}", "head.mlp=moe", "head.intermediate_size=64"]).head,
+                   str(tmp_path))
     # head.init=random: every tensor drawn, the router too (infer builds it uninitialised: garbage or NaN)
     random = build_head(target, compose([f"model.path={tmp_path}", "head.mlp=moe", "head.init=random"]).head,
                         str(tmp_path))

@@ -182,14 +182,15 @@ def check_target(config: MTPHeadConfig, target: nn.Module, where: str) -> None:
 def head_config_for(target_config: PretrainedConfig, identity: dict, architecture: str = "mtp",
                     hidden_state: str = "pre_norm", mlp: str = "dense", layer_ids: list[int] | None = None,
                     draft_vocab_size: int | None = None, trainable_lm_head: bool = False,
-                    **switches: bool) -> MTPHeadConfig:
+                    intermediate_size: int | None = None, **switches: bool) -> MTPHeadConfig:
     """A head whose decoder layer is shaped like one of the target's layers.
 
     The norm and bias switches (enorm, hnorm, final_norm, proj_bias, layer_input_norm) default to the
     architecture's: mtp has every norm and an unbiased projection, eagle1 no norm and a biased one. hidden_state and
     mlp: MTPHeadConfig's (checked when the decoder config is built). eagle3 has its own layout
     (infer.models.eagle3_head): the switches do not apply; layer_ids (None: the default rule), draft_vocab_size
-    (None: the whole vocabulary) and trainable_lm_head do.
+    (None: the whole vocabulary) and trainable_lm_head do. intermediate_size: the layer's dense MLP width (None:
+    the target's; on a small target a wider head MLP costs little and drafts better, README "Head recipe").
     """
     kind = target_config.model_type
     if kind not in DECODER_KEYS:
@@ -202,6 +203,10 @@ def head_config_for(target_config: PretrainedConfig, identity: dict, architectur
         decoder["q_lora_rank"] = target_config.q_lora_rank  # None (V2-Lite) is meaningful: a plain q_proj
     rope = getattr(target_config, "rope_parameters", None)
     decoder["rope_parameters"] = dict(rope) if rope else None
+    if intermediate_size is not None:
+        if mlp == "moe":
+            raise HeadLoadError("intermediate_size sets a dense MLP's width; an MoE head keeps the target's experts")
+        decoder["intermediate_size"] = intermediate_size
     norms = architecture == "mtp"
     defaults = dict(enorm=norms, hnorm=norms, final_norm=norms, proj_bias=not norms, layer_input_norm=norms)
     unknown = sorted(set(switches) - set(defaults))
