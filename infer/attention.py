@@ -105,6 +105,7 @@ def kv_buckets(seqs: list[int], kv_lens: list[int]) -> list[list[int]]:
 
 
 SHORT_QUERIES = 8  # query lengths up to this (decodes, verify rows, catch-ups) share one padded group
+RUN_KV_BYTES = 256 << 20  # a decode run keeps its layers' gathered keys and values while they fit in this
 
 
 class _Group:
@@ -228,8 +229,16 @@ class TorchAttention:
     a batch, then SDPA.
 
     Everything that depends only on the page tables (groups, gather indices, masks) is built in `plan`, once per
-    step, so each layer costs one scatter, and per group one gather and one SDPA call.
+    step, so each layer costs one scatter, and per group one gather and one SDPA call. A decode run (DecodeSteps)
+    gathers each layer's keys and values once, on its first step, and later steps write their tokens into that
+    block as into the cache (within RUN_KV_BYTES; GQA layers): no gather per step.
     """
+
+    def __init__(self) -> None:
+        self._run = None
+        self._run_kv: dict[int, torch.Tensor] | None = None  # layer cache data_ptr -> the run's gathered K/V block
+        self._run_kv_bytes = 0
+        self.block_write = None  # this run step's rows in a gathered block, None outside runs
 
     def plan(self, meta: PageMetadata) -> None:
         # Caches are read and written through flat views with index_copy_/index_select (one kernel each, far
@@ -237,10 +246,11 @@ class TorchAttention:
         # writes, _Group.kv_read / read_slots for the reads), so a model pays only for the cache layout it has.
         self.page_size = meta.page_size
         self.write_slots = meta.slot_mapping
-        self.kv_write = None
+        self.kv_write = self.block_write = None
         if meta.decode_run is not None:
             self._plan_decode_step(meta)
             return
+        self._run = self._run_kv = None  # a run's blocks are freed once another kind of step comes
         batch, host = meta.batch_size, meta.on_host()  # the lengths as built on the host: no device sync
         kv_lens = host.kv_lens.tolist()
         q_lens = [1] * batch if meta.max_q_len == 1 else (host.qo_indptr[1:] - host.qo_indptr[:-1]).tolist()
@@ -267,17 +277,37 @@ class TorchAttention:
         positions step j has not written yet: one gather plan and one mask build for the run instead of one per step.
         """
         run = meta.decode_run
-        if run is not getattr(self, "_run", None):
+        if run is not self._run:
             self._run = run
             last = run.step(run.num_steps - 1)
             self._run_group = _Group(last, None, [1] * last.batch_size, last.on_host().kv_lens.tolist())
-            kv_pos = torch.arange(self._run_group.read_shape[1], device=meta.positions.device)
+            batch, max_kv = self._run_group.read_shape
+            kv_pos = torch.arange(max_kv, device=meta.positions.device)
             self._run_masks = (kv_pos < run.kv_lens[:, :, None])[:, :, None, None, :]  # [S, B, 1, 1, max_kv]
             self._run_writes = kv_rows(run.slots, run.page_size)  # [S, 2B]
+            # step j's K and V rows in a gathered [2 * B * max_kv] block: b * max_kv + its position, V after K
+            k_rows = torch.arange(batch, device=kv_pos.device) * max_kv + run.kv_lens - 1  # [S, B]
+            self._run_block_writes = torch.cat((k_rows, k_rows + batch * max_kv), dim=-1)  # [S, 2B]
+            self._run_kv, self._run_kv_bytes = {}, 0
         group = self._run_group
         group.set_mask(self._run_masks[meta.decode_step])
         self.kv_write = self._run_writes[meta.decode_step]
+        self.block_write = self._run_block_writes[meta.decode_step]
         self.groups = [group]
+
+    def _read_kv(self, flat: torch.Tensor, group: _Group, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+        """A group's keys then values [2 * n * max_kv, Hkv, D]: gathered from the cache, or in a decode run the
+        block its first step gathered, this step's k/v written into it."""
+        if self.block_write is None:
+            return flat.index_select(0, group.kv_read)
+        block = self._run_kv.get(flat.data_ptr())
+        if block is not None:
+            return block.index_copy_(0, self.block_write, torch.cat((k, v)).to(block.dtype))
+        block = flat.index_select(0, group.kv_read)  # the run's first step: its tokens are written already
+        if self._run_kv_bytes + block.nbytes <= RUN_KV_BYTES:
+            self._run_kv[flat.data_ptr()] = block
+            self._run_kv_bytes += block.nbytes
+        return block
 
     def _gather(self, outs: list[torch.Tensor]) -> torch.Tensor:
         """The groups' outputs [n * q_len, H, D] -> [T, H, D] in packed order."""
@@ -299,7 +329,7 @@ class TorchAttention:
                     group.queries(q), group.queries(k), group.queries(v), is_causal=True, scale=scale, enable_gqa=True
                 ))
             else:
-                kv = flat.index_select(0, group.kv_read).view(2, *group.read_shape, *kv_cache.shape[-2:])
+                kv = self._read_kv(flat, group, k, v).view(2, *group.read_shape, *kv_cache.shape[-2:])
                 keys, values = kv.to(q.dtype).transpose(2, 3).unbind()  # [n, Hkv, max_kv, D] each
                 out = group.attend_cached(q, keys, values, scale)
             outs.append(out)
