@@ -15,7 +15,8 @@ from safetensors.torch import load_file, save_file
 from transformers import GPT2Config, LlamaConfig
 from transformers import LlamaForCausalLM as HFLlama
 
-from infer.attention import KV_BUCKET_MIN, TorchAttention, kv_buckets
+from infer import attention
+from infer.attention import KV_BUCKET_MIN, RUN_KV_BYTES, TorchAttention, kv_buckets
 from infer.kv_cache import DecodeSteps, PagePool, PageTable, build_page_metadata
 from infer.loader import ModelLoadError, load_model
 from infer.models.llama import LlamaForCausalLM
@@ -160,11 +161,15 @@ def test_stories_decodes_of_spread_lengths_attend_in_kv_buckets(stories_model, s
         assert_close(concat_logits(results, b), reference_logits(stories_reference, tokens))
 
 
+@pytest.mark.parametrize("kept_bytes", [RUN_KV_BYTES, 0], ids=["kv-kept", "kv-gathered"])
 @torch.no_grad()
-def test_stories_decode_run_planned_once_matches_transformers(stories_model, stories_reference):
-    """The draft forwards' DecodeSteps run: TorchAttention plans it on its first step (every step reads the keys of
-    the last and masks the positions not yet written) and each step still gives transformers' logits, although the
-    cache past every sequence holds garbage."""
+def test_stories_decode_run_planned_once_matches_transformers(stories_model, stories_reference, monkeypatch,
+                                                              kept_bytes):
+    """A DecodeSteps run (draft forwards, plain decode runs): TorchAttention plans it on its first step (every step
+    reads the keys of the last and masks the positions not yet written) and keeps each layer's gathered keys, later
+    steps writing theirs into them (or, past RUN_KV_BYTES, gathers every step); each step still gives transformers'
+    logits, although the cache past every sequence holds garbage."""
+    monkeypatch.setattr(attention, "RUN_KV_BYTES", kept_bytes)
     prompt_lens, num_steps, page_size = [5, 12, 3], 4, 4
     seqs = random_tokens(512, *(n + num_steps for n in prompt_lens), seed=5)
     pool = PagePool(64, page_size)
@@ -183,6 +188,7 @@ def test_stories_decode_run_planned_once_matches_transformers(stories_model, sto
         attn.plan(meta)
         ids = torch.stack([s[n + j] for s, n in zip(seqs, prompt_lens)])
         logits.append(stories_model(ids, meta.positions, attn, caches).logits.split(1))
+    assert len(attn._run_kv) == (len(caches) if kept_bytes else 0)  # the path under test was taken
     for b, tokens in enumerate(seqs):
         assert_close(torch.cat([step[b] for step in logits]), reference_logits(stories_reference, tokens))
 
