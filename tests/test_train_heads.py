@@ -29,7 +29,7 @@ ROOT = Path(__file__).resolve().parents[1]
 
 # (trainable, decoder layer, projection, frozen shared), mtp head
 EXPECTED = {
-    "stories260k": (53_824, 45_440, 8_192, 32_768),
+    "stories260k": (152_896, 144_512, 8_192, 32_768),  # the head MLP 4x the target's (model.head_intermediate_size)
     "llama3_2_1b": (69_216_256, 60_821_504, 8_388_608, 262_668_288),
     "llama3_1_8b": (251_678_720, 218_112_000, 33_554_432, 1_050_673_152),
     "llama3_1_70b": (989_896_704, 855_654_400, 134_217_728, 2_101_346_304),
@@ -117,7 +117,7 @@ def test_chunked_sha_equals_the_runtime_identity(target, stories_model):
 
 
 def test_init_from_target_last_layer_is_the_runtime_untrained_head(stories_hf_dir, target, stories_model):
-    head = build_head(target, _cfg(stories_hf_dir).head, str(stories_hf_dir))
+    head = build_head(target, _cfg(stories_hf_dir, ["head.intermediate_size=null"]).head, str(stories_hf_dir))
     reference = init_head_from_target(stories_model, "stories260k")
     theirs = reference.state_dict()
     for key, value in head.state_dict().items():
@@ -133,7 +133,8 @@ def test_a_wider_head_mlp_starts_as_the_target_layer_and_trains_its_new_units(st
     the head's config. A control that draws the down_proj columns too changes the function."""
     from mtp_train.heads import widen_mlp  # noqa: PLC0415
 
-    narrow = build_head(target, _cfg(stories_hf_dir, [f"head={arch}"]).head, str(stories_hf_dir))
+    narrow = build_head(target, _cfg(stories_hf_dir, [f"head={arch}", "head.intermediate_size=null"]).head,
+                        str(stories_hf_dir))
     wide = build_head(target, _cfg(stories_hf_dir, [f"head={arch}", "head.intermediate_size=400"]).head,
                       str(stories_hf_dir))
     assert wide.layer.mlp.gate_up_proj.weight.shape == (800, 64) and wide.layer.mlp.down_proj.weight.shape == (64, 400)
@@ -240,14 +241,15 @@ def test_deepseek_target_head_init_and_training_step(tmp_path):
                               num_experts_per_tok=2, n_shared_experts=1, first_k_dense_replace=1,
                               max_position_embeddings=128)
     HFDeepseekV2(config).save_pretrained(tmp_path)
-    cfg = compose([f"model.path={tmp_path}", "model.name=tiny_dsv2"])
+    cfg = compose([f"model.path={tmp_path}", "model.name=tiny_dsv2", "model.head_intermediate_size=null"])
     target = load_target(cfg.model, torch.float32)
     head = build_head(target, cfg.head, str(tmp_path))
     reference = load_model(tmp_path)
     for name, value in head.layer.state_dict().items():
         source = reference.model.layers[0 if name.startswith("mlp.") else 2].state_dict()[name]
         torch.testing.assert_close(value, source, rtol=0, atol=0, msg=name)
-    moe = build_head(target, compose([f"model.path={tmp_path}", "head.mlp=moe"]).head, str(tmp_path))
+    moe = build_head(target, compose([f"model.path={tmp_path}", "head.mlp=moe", "head.intermediate_size=null"]).head,
+                     str(tmp_path))
     last = reference.model.layers[2].state_dict()  # head.mlp=moe: the whole last layer, router and experts too
     assert sorted(moe.layer.state_dict()) == sorted(last) and "mlp.experts.3.down_proj.weight" in last
     for name, value in moe.layer.state_dict().items():
@@ -261,8 +263,8 @@ def test_deepseek_target_head_init_and_training_step(tmp_path):
         build_head(target, compose([f"model.path={tmp_path}", "head.mlp=moe", "head.intermediate_size=64"]).head,
                    str(tmp_path))
     # head.init=random: every tensor drawn, the router too (infer builds it uninitialised: garbage or NaN)
-    random = build_head(target, compose([f"model.path={tmp_path}", "head.mlp=moe", "head.init=random"]).head,
-                        str(tmp_path))
+    random = build_head(target, compose([f"model.path={tmp_path}", "head.mlp=moe", "head.init=random",
+                                         "head.intermediate_size=null"]).head, str(tmp_path))
     assert all(bool(p.isfinite().all()) for p in random.parameters())
     assert 0.015 < random.layer.mlp.gate.weight.std().item() < 0.025  # N(0, initializer_range 0.02)
     with pytest.raises(ConfigError, match="head.mlp must be one of dense, moe"):
