@@ -22,6 +22,7 @@ from pathlib import Path
 import torch
 from transformers import PreTrainedTokenizerBase
 
+from infer.attention import kv_buckets
 from infer.kv_cache import DecodeSteps, OutOfPages, PagePool, PageMetadata, PageTable, build_page_metadata, pages_needed
 from infer.loader import default_eos_ids, load_model, load_tokenizer
 from infer.model_runner import ModelRunner
@@ -114,6 +115,9 @@ class EngineConfig:
     decode_run_steps: int = 16  # plain decode steps whose metadata and attention plan are built at once (1: per step)
 
 
+DECODE_RUN_MAX_SEQS = 32  # decode runs for batches up to this (1.04x at 32 sequences, 0.92x at 128: see README)
+
+
 @dataclass
 class _DecodeRun:
     """Plain decode steps planned at once (Engine._decode_run_meta): the batch's requests in order, their kv lengths
@@ -162,6 +166,7 @@ class Engine:
         self.drafter: Drafter | None = None
         self.num_draft_tokens = cfg.num_draft_tokens
         self._decode_run: _DecodeRun | None = None
+        self._run_steps = cfg.decode_run_steps  # the next decode run's length (see _decode_run_meta)
         self.spec_stats: SpecStats | None = None
 
     def load_drafter(self, kind: str, path: str | Path) -> None:
@@ -394,23 +399,30 @@ class Engine:
         reads the run's last step's pages, masked), while the batch stays the same requests in the same order.
 
         A new run reserves the pages its steps write. None (a step built alone) for other batches, with a drafter
-        attached (it owns the page tables' tails), and when the pool cannot hold the run's pages.
+        attached (it owns the page tables' tails), when the pool cannot hold the run's pages, past DECODE_RUN_MAX_SEQS
+        sequences (where a step's plan is a small share of it and the batch changes every few steps), and on the
+        torch backend where the batch's keys would be split by length (`kv_buckets`: a run attends as one group,
+        padded to its longest). A run lasts up to
+        twice as many steps as the last one served (up to decode_run_steps): where requests stop or arrive every few
+        steps (generation at batch 128), runs stay as short as the batch stays the same.
         """
-        size = self.config.decode_run_steps
-        if size == 1 or self.drafter is not None or rows.num_tokens != len(rows.scheduled):
-            self._decode_run = None
-            return None
-        ids = [r.request_id for r, _ in rows.scheduled]
         run = self._decode_run
-        if (run is not None and run.next < run.steps.num_steps and run.request_ids == ids
-                and rows.kv_lens == [kv + run.next for kv in run.first_kv_lens]):
-            run.next += 1
-            return run.steps.step(run.next - 1)
-        self._decode_run = None
+        if run is not None:
+            if (run.next < run.steps.num_steps and [r.request_id for r, _ in rows.scheduled] == run.request_ids
+                    and rows.kv_lens == [kv + run.next for kv in run.first_kv_lens]):
+                run.next += 1
+                return run.steps.step(run.next - 1)
+            self._decode_run, self._run_steps = None, min(2 * run.next, self.config.decode_run_steps)
+        if self.config.decode_run_steps == 1 or self.drafter is not None or rows.num_tokens != len(rows.scheduled):
+            return None
+        batch = len(rows.kv_lens)
+        if batch > DECODE_RUN_MAX_SEQS or (self.runner.backend_name == "torch"
+                                           and len(kv_buckets(list(range(batch)), rows.kv_lens)) > 1):
+            return None
         requests = [r for r, _ in rows.scheduled]
         # the run ends where the first request would stop for length (an earlier stop ends it too) or meet the
         # context's end
-        steps = min(size, *(r.params.max_new_tokens - len(r.output_ids) for r in requests),
+        steps = min(self._run_steps, *(r.params.max_new_tokens - len(r.output_ids) for r in requests),
                     *(self.max_model_len - kv + 1 for kv in rows.kv_lens))
         ends = [kv + steps - 1 for kv in rows.kv_lens]
         if steps <= 1 or sum(r.page_table.pages_to_grow(end) for r, end in zip(requests, ends)) > self.pool.num_free:
@@ -418,7 +430,8 @@ class Engine:
         for request, end in zip(requests, ends):
             request.page_table.extend(end)
         run = self._decode_run = _DecodeRun(DecodeSteps(rows.page_lists, [kv - 1 for kv in rows.kv_lens], steps,
-                                                        self.config.page_size, self.device), ids, rows.kv_lens)
+                                                        self.config.page_size, self.device),
+                                            [r.request_id for r in requests], rows.kv_lens)
         return run.steps.step(0)
 
     def _settle_speculation(self, requests: list[Request], out: SpecOutput,
