@@ -26,7 +26,6 @@ import torch
 
 from data_tools.conversations import DataError
 from data_tools.features import EpochSampler, FeatureDataset, verify_shards
-from data_tools.shards import read_manifest
 from mtp_train import distributed
 
 
