@@ -11,6 +11,7 @@ from pathlib import Path
 import torch
 
 from infer.atomic_io import OutputExistsError
+from infer.engine import EngineConfig
 from infer.loader import DTYPES, ModelLoadError
 from infer.models.mtp_head import HeadLoadError, read_head_config
 
@@ -29,9 +30,9 @@ def add_engine_args(parser: argparse.ArgumentParser) -> None:
                        help="token budget of one step; longer prompts are prefilled in chunks (default 2048)")
     group.add_argument("--attention-backend", choices=["auto", "torch", "flashinfer"], default="auto",
                        help="auto: FlashInfer on CUDA when installed, torch otherwise")
-    group.add_argument("--decode-run-steps", type=int, default=8,
+    group.add_argument("--decode-run-steps", type=int, default=EngineConfig.decode_run_steps,
                        help="plain decode steps of an unchanged batch whose page metadata and attention plan are "
-                            "built at once (1: every step alone; default 16)")
+                            f"built at once (1: every step alone; default {EngineConfig.decode_run_steps})")
 
 
 def add_spec_args(parser: argparse.ArgumentParser) -> None:

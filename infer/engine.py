@@ -115,7 +115,8 @@ class EngineConfig:
     decode_run_steps: int = 16  # plain decode steps whose metadata and attention plan are built at once (1: per step)
 
 
-DECODE_RUN_MAX_SEQS = 32  # decode runs for batches up to this (1.04x at 32 sequences, 0.92x at 128: see README)
+DECODE_RUN_MAX_SEQS = 32  # decode runs for batches up to this (1.12x at 32 sequences; at 128, where the batch
+                          # changes every few steps, they were 0.92x: see README)
 
 
 @dataclass
@@ -402,9 +403,8 @@ class Engine:
         attached (it owns the page tables' tails), when the pool cannot hold the run's pages, past DECODE_RUN_MAX_SEQS
         sequences (where a step's plan is a small share of it and the batch changes every few steps), and on the
         torch backend where the batch's keys would be split by length (`kv_buckets`: a run attends as one group,
-        padded to its longest). A run lasts up to
-        twice as many steps as the last one served (up to decode_run_steps): where requests stop or arrive every few
-        steps (generation at batch 128), runs stay as short as the batch stays the same.
+        padded to its longest). A run lasts up to twice as many steps as the last one served (up to
+        decode_run_steps), so runs stay about as short as the batch stays the same.
         """
         run = self._decode_run
         if run is not None:
@@ -560,8 +560,9 @@ class Engine:
             for table in tables:
                 table.extend(context + q_len + run_steps - 1)
             pages, page_size = [t.pages for t in tables], self.config.page_size
-            single = build_page_metadata(pages, [q_len] * batch_size, [context + q_len] * batch_size, page_size,
-                                         self.device)
+            if run_steps == 1:
+                single = build_page_metadata(pages, [q_len] * batch_size, [context + q_len] * batch_size, page_size,
+                                             self.device)
 
             def metas() -> list[PageMetadata]:  # a fresh run each time: its first step plans it
                 if run_steps == 1:
