@@ -15,6 +15,7 @@ called by every layer. Two attention kinds are served:
 from __future__ import annotations
 
 import importlib.util
+import math
 from functools import cached_property
 from typing import Protocol
 
@@ -25,6 +26,10 @@ from infer.kv_cache import PageMetadata
 
 
 class AttentionBackend(Protocol):
+    # The rows of the packed batch whose outputs attend returns (None: all); a layer keeps those rows of its residual
+    # (`infer.models.common.keep_output_rows`). Set by plan: each sequence's last row for a last_query_only step.
+    output_rows: torch.Tensor | None
+
     def plan(self, meta: PageMetadata) -> None: ...
 
     def attend(
@@ -58,10 +63,11 @@ def kv_rows(slots: torch.Tensor, page_size: int) -> torch.Tensor:
     return torch.cat((k_rows, k_rows + page_size), dim=-1)
 
 
-def write_kv(kv_cache: torch.Tensor, rows: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
-    """Store K/V into a [pages, 2, page_size, Hkv, D] cache; returns its flat [pages*2*page_size, Hkv, D] view."""
+def write_kv(kv_cache: torch.Tensor, rows: torch.Tensor, kv: torch.Tensor) -> torch.Tensor:
+    """Store kv = cat(K, V) [2T, Hkv, D] into a [pages, 2, page_size, Hkv, D] cache at `rows` (kv_rows); returns its
+    flat [pages*2*page_size, Hkv, D] view."""
     flat = kv_cache.view(-1, *kv_cache.shape[-2:])
-    flat.index_copy_(0, rows, torch.cat((k, v)).to(kv_cache.dtype))
+    flat.index_copy_(0, rows, kv)
     return flat
 
 
@@ -105,7 +111,8 @@ def kv_buckets(seqs: list[int], kv_lens: list[int]) -> list[list[int]]:
 
 
 SHORT_QUERIES = 8  # query lengths up to this (decodes, verify rows, catch-ups) share one padded group
-RUN_KV_BYTES = 256 << 20  # a decode run keeps its layers' gathered keys and values while they fit in this
+MIRROR_BYTES = 256 << 20  # the most a backend keeps in mirrored keys and values (_Mirror)
+MIRROR_SLACK = 64  # positions a new mirror holds past the longest sequence: it is gathered anew when one outgrows it
 
 
 class _Group:
@@ -117,14 +124,14 @@ class _Group:
       rows       [n * q_len] the group's query rows in the packed batch (padding: any valid row), None when the group
                  is the whole batch in order, unpadded
       out_rows   [sum q_lens] where the group's outputs go in the packed batch
-      read_pages [n, max_kv] the page of each sequence's keys, padding clamped to a valid page (masked)
+      read_shape (n, max_kv): the keys a layer reads, gathered from the cache (read_slots) or a kept mirror
       mask       [n, 1, q_len, max_kv] the keys each query sees, None when it sees them all
     """
 
     def __init__(self, meta: PageMetadata, seqs: torch.Tensor | None, q_lens: list[int], kv_lens: list[int]) -> None:
         """seqs: the group's sequences (None: all, in order); q_lens, kv_lens: theirs."""
         device = meta.positions.device
-        self.page_size = page_size = meta.page_size
+        self.page_size = meta.page_size
         q_len = self.q_len = max(q_lens)
         self.num_seqs = len(kv_lens)
         # int32 metadata indexes and promotes to int64 as it meets the int64 aranges: no casts needed.
@@ -153,9 +160,7 @@ class _Group:
             return
         max_kv = max(kv_lens)
         kv_pos = torch.arange(max_kv, device=device)
-        page_slot = (kv_start[:, None] + kv_pos[None, :] // page_size).clamp_(max=max(meta.kv_indices.shape[0] - 1, 0))
-        self.read_pages = meta.kv_indices[page_slot]  # [n, max_kv] the page of each key (padding: a valid one)
-        self.read_offsets = kv_pos % page_size  # [max_kv] its offset in the page
+        self._kv_start, self._kv_indices = kv_start, meta.kv_indices  # for read_slots, built only if a layer gathers
         self.read_shape = (self.num_seqs, max_kv)
         # Causal mask: query j of sequence b sits at position kv_len - q_len + j and sees keys up to it.
         if q_len > 1 or min(kv_lens) < max_kv:
@@ -169,8 +174,12 @@ class _Group:
 
     @cached_property
     def read_slots(self) -> torch.Tensor:
-        """[n * max_kv] token slots of every key (MLA caches are indexed by them)."""
-        return (self.read_pages * self.page_size + self.read_offsets).flatten()
+        """[n * max_kv] token slots of every key (MLA caches are indexed by them): the page of each key (padding
+        clamped to a valid one, masked) and its offset in the page."""
+        kv_pos = torch.arange(self.read_shape[1], device=self._kv_start.device)
+        page_slot = (self._kv_start[:, None] + kv_pos[None, :] // self.page_size).clamp_(
+            max=max(self._kv_indices.shape[0] - 1, 0))
+        return (self._kv_indices[page_slot] * self.page_size + kv_pos % self.page_size).flatten()
 
     def queries(self, x: torch.Tensor) -> torch.Tensor:
         """[T, H, D] packed -> [n, H, q_len, D]."""
@@ -197,8 +206,11 @@ class _Group:
             return None
         built = self._sdpa_masks.get((dtype, group_size))
         if built is None:
-            mask = self.mask if self.q_len == 1 else self.mask.repeat_interleave(group_size, dim=2)
-            built = torch.zeros(mask.shape, dtype=dtype, device=mask.device).masked_fill_(~mask, float("-inf"))
+            mask = self.mask
+            if self.q_len > 1:  # [n, 1, q_len, kv] -> [n, 1, q_len * G, kv], row j * G + g
+                n, _, q_len, kv = mask.shape
+                mask = mask[:, :, :, None].expand(n, 1, q_len, group_size, kv).reshape(n, 1, q_len * group_size, kv)
+            built = torch.full(mask.shape, float("-inf"), dtype=dtype, device=mask.device).masked_fill_(mask, 0.0)
             self._sdpa_masks[(dtype, group_size)] = built
         return built
 
@@ -224,21 +236,77 @@ class _Group:
         return out if self.q_valid is None else out[self.q_valid.flatten()]
 
 
+class _Mirror:
+    """One batch's keys and values, per GQA layer, in contiguous blocks [2, n, capacity, Hkv, D] (K then V; the row
+    of a key is its position): a copy of the paged cache that a backend keeps while its forwards attend the same
+    sequences, so a layer reads its keys as a view instead of a gather from the pages.
+
+    It stays exact because every forward of the backend writes its tokens into it as into the cache, and any forward
+    over other sequences drops it: a position a forward reads was written since the mirror was built, through the
+    mirror, or before, and then gathered into it (positions past a sequence's length are masked, as in the cache).
+    """
+
+    def __init__(self, first_pages: torch.Tensor, capacity: int) -> None:
+        self.first_pages = first_pages  # [n] each sequence's first page: which sequences, in which order
+        self.capacity = capacity
+        self.blocks: dict[int, torch.Tensor] = {}  # layer cache data_ptr -> its block
+        self.unkept: set[int] = set()  # layers past MIRROR_BYTES: they gather every forward
+        self.bytes = 0
+
+    def serves(self, first_pages: torch.Tensor, max_kv: int) -> bool:
+        return (max_kv <= self.capacity and first_pages.shape == self.first_pages.shape
+                and torch.equal(first_pages, self.first_pages))
+
+    def rows(self, q_lens: list[int], positions: torch.Tensor) -> torch.Tensor:
+        """Each sequence's new tokens (q_lens, packed) at their positions [T] -> their K rows then V rows [2T] in a
+        block's flat view (one token each: positions may be [S, B], S steps of a run -> [2S, B])."""
+        if len(q_lens) == positions.shape[-1]:  # one token each
+            starts = torch.arange(0, len(q_lens) * self.capacity, self.capacity, device=positions.device)
+        else:
+            starts = torch.tensor([b * self.capacity for b, q_len in enumerate(q_lens) for _ in range(q_len)],
+                                  device=positions.device)
+        k_rows = starts + positions
+        return torch.cat((k_rows, k_rows + len(q_lens) * self.capacity))
+
+    def gather(self, flat: torch.Tensor, group: "_Group") -> torch.Tensor | None:
+        """A layer's first read: its keys gathered from the cache (this forward's tokens are in it already) into a
+        new block, kept while MIRROR_BYTES allow (None past them)."""
+        batch, max_kv = group.read_shape
+        shape = (2, batch, self.capacity, *flat.shape[1:])
+        nbytes = math.prod(shape) * flat.element_size()
+        if self.bytes + nbytes > MIRROR_BYTES:
+            self.unkept.add(flat.data_ptr())
+            return None
+        block = flat.new_zeros(shape)  # zeros: a masked key never holds a NaN (0 * NaN would leak into SDPA)
+        block[:, :, :max_kv] = flat.index_select(0, group.kv_read).view(2, batch, max_kv, *flat.shape[1:])
+        self.blocks[flat.data_ptr()] = block
+        self.bytes += nbytes
+        return block
+
+
+def _first_pages(meta: PageMetadata) -> torch.Tensor:
+    host = meta.on_host()
+    return host.kv_indices[host.kv_indptr[:-1]]
+
+
 class TorchAttention:
     """Paged attention in plain PyTorch: per group of query lengths (see _Group), gather the sequences' keys into
     a batch, then SDPA.
 
     Everything that depends only on the page tables (groups, gather indices, masks) is built in `plan`, once per
-    step, so each layer costs one scatter, and per group one gather and one SDPA call. A decode run (DecodeSteps)
-    gathers each layer's keys and values once, on its first step, and later steps write their tokens into that
-    block as into the cache (within RUN_KV_BYTES; GQA layers): no gather per step.
+    step, so each layer costs one scatter, and per group one gather and one SDPA call. While successive forwards
+    attend the same sequences as one group (a speculating batch's verify forwards, a drafter's catch-ups and
+    drafts, decode steps), each GQA layer keeps their keys in a `_Mirror` (within MIRROR_BYTES) and reads them
+    from it as a view: no gather per forward, and no gather indices to build. A decode run (DecodeSteps) is
+    planned once, on its first step: every step reads the keys of the last, masked.
     """
 
     def __init__(self) -> None:
         self._run = None
-        self._run_kv: dict[int, torch.Tensor] | None = None  # layer cache data_ptr -> the run's gathered K/V block
-        self._run_kv_bytes = 0
-        self.block_write = None  # this run step's rows in a gathered block, None outside runs
+        self._mirror: _Mirror | None = None
+        self._mirror_tokens: tuple[list[int], torch.Tensor] | None = None  # this forward's (q_lens, positions)
+        self.mirror_write = None  # this forward's rows in the mirror's blocks, None when it reads no mirror
+        self.output_rows = None
 
     def plan(self, meta: PageMetadata) -> None:
         # Caches are read and written through flat views with index_copy_/index_select (one kernel each, far
@@ -246,14 +314,20 @@ class TorchAttention:
         # writes, _Group.kv_read / read_slots for the reads), so a model pays only for the cache layout it has.
         self.page_size = meta.page_size
         self.write_slots = meta.slot_mapping
-        self.kv_write = self.block_write = None
+        self.kv_write = self.mirror_write = self._mirror_tokens = self.output_rows = None
         if meta.decode_run is not None:
             self._plan_decode_step(meta)
             return
-        self._run = self._run_kv = None  # a run's blocks are freed once another kind of step comes
+        self._run = None
         batch, host = meta.batch_size, meta.on_host()  # the lengths as built on the host: no device sync
         kv_lens = host.kv_lens.tolist()
         q_lens = [1] * batch if meta.max_q_len == 1 else (host.qo_indptr[1:] - host.qo_indptr[:-1]).tolist()
+        if meta.last_query_only and meta.max_q_len > 1:  # the last rows attend, as decodes at the same lengths
+            self.output_rows = (meta.qo_indptr[1:] - 1).long()
+            self.groups = [_Group(meta, None, [1] * batch, kv_lens)]
+            self._keep_mirror(meta, max(kv_lens))
+            self._mirror_tokens = (q_lens, meta.positions)  # every token's K/V is written
+            return
         short, by_q_len = [], {}  # the short queries; each longer query length's sequences
         for b, q_len in enumerate(q_lens):
             if q_len > SHORT_QUERIES:
@@ -264,14 +338,27 @@ class TorchAttention:
         groupings = (kv_buckets(short, kv_lens) if short else []) + list(by_q_len.values())
         if len(groupings) == 1:
             self.groups = [_Group(meta, None, q_lens, kv_lens)]
-            return
-        device = meta.positions.device
-        self.groups = [_Group(meta, torch.tensor(seqs, device=device), [q_lens[b] for b in seqs],
-                              [kv_lens[b] for b in seqs]) for seqs in groupings]
-        self.out_rows = torch.cat([g.out_rows for g in self.groups])  # where each group's outputs go
+            if not self.groups[0].fresh:
+                self._keep_mirror(meta, max(kv_lens))
+                self._mirror_tokens = (q_lens, meta.positions)
+                return
+        else:
+            device = meta.positions.device
+            self.groups = [_Group(meta, torch.tensor(seqs, device=device), [q_lens[b] for b in seqs],
+                                  [kv_lens[b] for b in seqs]) for seqs in groupings]
+            self.out_rows = torch.cat([g.out_rows for g in self.groups])  # where each group's outputs go
+        self._mirror = None  # other sequences, or several groups: the next forward over one group gathers anew
+
+    def _keep_mirror(self, meta: PageMetadata, max_kv: int) -> _Mirror:
+        """The mirror of this forward's sequences: the one kept, or a new one (its blocks gathered by the layers)."""
+        first_pages = _first_pages(meta)
+        if self._mirror is None or not self._mirror.serves(first_pages, max_kv):
+            capacity = -(-(max_kv + MIRROR_SLACK) // self.page_size) * self.page_size
+            self._mirror = _Mirror(first_pages, capacity)
+        return self._mirror
 
     def _plan_decode_step(self, meta: PageMetadata) -> None:
-        """Step j of a DecodeSteps run (the draft forwards): its first step plans every step.
+        """Step j of a DecodeSteps run (the draft forwards, plain decode runs): its first step plans every step.
 
         All steps read the keys of the run's last step (the longest: each sequence's pages up to it) and mask the
         positions step j has not written yet: one gather plan and one mask build for the run instead of one per step.
@@ -281,33 +368,39 @@ class TorchAttention:
             self._run = run
             last = run.step(run.num_steps - 1)
             self._run_group = _Group(last, None, [1] * last.batch_size, last.on_host().kv_lens.tolist())
-            batch, max_kv = self._run_group.read_shape
+            max_kv = self._run_group.read_shape[1]
             kv_pos = torch.arange(max_kv, device=meta.positions.device)
             self._run_masks = (kv_pos < run.kv_lens[:, :, None])[:, :, None, None, :]  # [S, B, 1, 1, max_kv]
             self._run_writes = kv_rows(run.slots, run.page_size)  # [S, 2B]
-            # step j's K and V rows in a gathered [2 * B * max_kv] block: b * max_kv + its position, V after K
-            k_rows = torch.arange(batch, device=kv_pos.device) * max_kv + run.kv_lens - 1  # [S, B]
-            self._run_block_writes = torch.cat((k_rows, k_rows + batch * max_kv), dim=-1)  # [S, 2B]
-            self._run_kv, self._run_kv_bytes = {}, 0
+            self._run_mirror = None
         group = self._run_group
         group.set_mask(self._run_masks[meta.decode_step])
         self.kv_write = self._run_writes[meta.decode_step]
-        self.block_write = self._run_block_writes[meta.decode_step]
         self.groups = [group]
+        mirror = self._mirror
+        if mirror is None or mirror is not self._run_mirror:  # (the run's mirror serves every step it is kept)
+            mirror = self._keep_mirror(meta, group.read_shape[1])
+        if mirror is not self._run_mirror:  # the run's steps' rows in the mirror's blocks (another mirror: anew)
+            self._run_mirror = mirror
+            self._run_mirror_writes = mirror.rows([1] * group.num_seqs,
+                                                  (run.kv_lens - 1)).view(2, run.num_steps, -1)  # [2, S, B]
+        self.mirror_write = self._run_mirror_writes[:, meta.decode_step].flatten()
 
-    def _read_kv(self, flat: torch.Tensor, group: _Group, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
-        """A group's keys then values [2 * n * max_kv, Hkv, D]: gathered from the cache, or in a decode run the
-        block its first step gathered, this step's k/v written into it."""
-        if self.block_write is None:
-            return flat.index_select(0, group.kv_read)
-        block = self._run_kv.get(flat.data_ptr())
-        if block is not None:
-            return block.index_copy_(0, self.block_write, torch.cat((k, v)).to(block.dtype))
-        block = flat.index_select(0, group.kv_read)  # the run's first step: its tokens are written already
-        if self._run_kv_bytes + block.nbytes <= RUN_KV_BYTES:
-            self._run_kv[flat.data_ptr()] = block
-            self._run_kv_bytes += block.nbytes
-        return block
+    def _read_kv(self, flat: torch.Tensor, group: _Group, kv: torch.Tensor) -> torch.Tensor:
+        """A group's keys and values [2, n, max_kv, Hkv, D]: a view of the mirror's block for the layer, this
+        forward's kv (cat(K, V), as written into the cache) written into it too, or gathered from the cache."""
+        mirror = self._mirror
+        if mirror is not None and flat.data_ptr() not in mirror.unkept:
+            block = mirror.blocks.get(flat.data_ptr())
+            if block is None:
+                block = mirror.gather(flat, group)
+            else:
+                if self.mirror_write is None:  # the forward's first kept layer
+                    self.mirror_write = mirror.rows(*self._mirror_tokens)
+                block.view(-1, *flat.shape[1:]).index_copy_(0, self.mirror_write, kv)
+            if block is not None:
+                return block[:, :, : group.read_shape[1]]
+        return flat.index_select(0, group.kv_read).view(2, *group.read_shape, *flat.shape[1:])
 
     def _gather(self, outs: list[torch.Tensor]) -> torch.Tensor:
         """The groups' outputs [n * q_len, H, D] -> [T, H, D] in packed order."""
@@ -321,7 +414,10 @@ class TorchAttention:
     ) -> torch.Tensor:
         if self.kv_write is None:  # the step's first K/V layer
             self.kv_write = kv_rows(self.write_slots, self.page_size)
-        flat = write_kv(kv_cache, self.kv_write, k, v)
+        kv = torch.cat((k, v)).to(kv_cache.dtype)  # [2T, Hkv, D]
+        flat = write_kv(kv_cache, self.kv_write, kv)
+        if self.output_rows is not None:
+            q = q.index_select(0, self.output_rows)
         outs = []
         for group in self.groups:
             if group.fresh:
@@ -329,8 +425,7 @@ class TorchAttention:
                     group.queries(q), group.queries(k), group.queries(v), is_causal=True, scale=scale, enable_gqa=True
                 ))
             else:
-                kv = self._read_kv(flat, group, k, v).view(2, *group.read_shape, *kv_cache.shape[-2:])
-                keys, values = kv.to(q.dtype).transpose(2, 3).unbind()  # [n, Hkv, max_kv, D] each
+                keys, values = self._read_kv(flat, group, kv).to(q.dtype).transpose(2, 3).unbind()  # [n, Hkv, max_kv, D]
                 out = group.attend_cached(q, keys, values, scale)
             outs.append(out)
         return self._gather(outs)
@@ -348,6 +443,8 @@ class TorchAttention:
         ckv_flat = write_mla(ckv_cache, self.write_slots, ckv)
         kpe_flat = write_mla(kpe_cache, self.write_slots, kpe)
         query_rows = torch.cat((q_latent, q_rope), dim=-1)
+        if self.output_rows is not None:
+            query_rows = query_rows.index_select(0, self.output_rows)
         outs = []
         for group in self.groups:
             if group.fresh:
@@ -385,6 +482,7 @@ class FlashInferAttention:
             self.wrapper = flashinfer.mla.BatchMLAPagedAttentionWrapper(workspace)
         self._planned_scale: float | None = None
         self._meta: PageMetadata | None = None
+        self.output_rows = None  # every row, also for a last_query_only step (its extra outputs are dropped)
 
     def plan(self, meta: PageMetadata) -> None:
         # FlashInfer bakes sm_scale into the plan; the first layer's call completes it (all layers share it).
@@ -421,7 +519,7 @@ class FlashInferAttention:
         self._ensure_planned(scale)
         if self.kv_write is None:
             self.kv_write = kv_rows(self._meta.slot_mapping, self._meta.page_size)
-        write_kv(kv_cache, self.kv_write, k, v)
+        write_kv(kv_cache, self.kv_write, torch.cat((k, v)).to(kv_cache.dtype))
         return self.wrapper.run(q.contiguous(), kv_cache)
 
     def attend_mla(
@@ -463,6 +561,8 @@ class PackedCausalAttention:
     gets its own 4-D SDPA call with is_causal, so fused kernels (flash on CPU and GPU) apply and no
     [T, T] mask or [H, n, n] score matrix is ever built.
     """
+
+    output_rows = None  # every row
 
     def __init__(self, seq_lens: list[int]) -> None:
         self.seq_lens = seq_lens

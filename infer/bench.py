@@ -32,7 +32,7 @@ from infer.loader import DTYPES
 from infer.parallel import attach_where_it_lives, current, init_tp, on_rank0, serve_forever, tp_main
 from infer.prompts import DEFAULT_PROMPTS, read_prompt_file
 from infer.sampling_params import SamplingParams
-from infer.speedup import COST_CONTEXT, StepOverhead, compare, ideal_speedup, recommend_k, timed_generate
+from infer.speedup import StepOverhead, compare, cost_context, ideal_speedup, recommend_k, timed_generate
 
 
 def parse_ints(text: str, flag: str) -> list[int]:
@@ -122,7 +122,8 @@ def spec_row(plain: Engine, spec: Engine, batch: list[str], params: SamplingPara
     timed_generate(spec, batch[:1], warm_up)
     result = compare(plain, spec, batch, params, repeats)
     k = spec.num_draft_tokens
-    costs = spec.forward_costs(len(batch), COST_CONTEXT)
+    context = cost_context([len(r.prompt_ids) for r in result.plain.requests], params.max_new_tokens)
+    costs = spec.forward_costs(len(batch), context)
     tau = result.stats["tau"]
     ideal = ideal_speedup(tau, costs, k)
     return {
@@ -132,7 +133,7 @@ def spec_row(plain: Engine, spec: Engine, batch: list[str], params: SamplingPara
         "acceptance_per_position": result.stats["acceptance_per_position"],
         "conditional_acceptance": result.stats["conditional_acceptance"],
         "ideal_speedup": round(ideal, 3), "achieved_over_ideal": round(result.speedup / ideal, 3),
-        "t_decode_ms": round(costs.decode * 1e3, 3), "t_draft_ms": round(costs.draft * 1e3, 3),
+        "cost_context": context, "t_decode_ms": round(costs.decode * 1e3, 3), "t_draft_ms": round(costs.draft * 1e3, 3),
         "t_verify_ms": round(costs.verify * 1e3, 3),
     }
 

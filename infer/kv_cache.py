@@ -108,6 +108,7 @@ class PageMetadata:
       positions        [T]   int64  position of every new token
       slot_mapping     [T]   int64  page * page_size + offset where every new token's KV goes
     A step of a `DecodeSteps` run names it (decode_run, decode_step): a backend may plan the whole run at once.
+    With last_query_only, a backend's `output_rows` are each sequence's last row (qo_indptr[1:] - 1).
     The fields are built on the host; on another device `host` keeps them there (`on_host`).
     """
 
@@ -123,6 +124,9 @@ class PageMetadata:
     max_kv_len: int
     decode_run: DecodeSteps | None = field(default=None, repr=False, compare=False)
     decode_step: int = 0
+    # Only each sequence's last new token attends: every token's K/V is written, and the forward computes outputs for
+    # the last rows alone (a one-layer head's catch-up reads its carry there; a model of more layers cannot use it).
+    last_query_only: bool = False
     host: PageMetadata | None = field(default=None, repr=False, compare=False)
 
     def on_host(self) -> PageMetadata:

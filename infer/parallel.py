@@ -372,8 +372,8 @@ def whole_weight(module: nn.Module) -> torch.Tensor:
 _STEP, _STOP = 0, 1
 _DTYPES = (torch.int32, torch.int64, torch.float32, torch.bfloat16, torch.float16)
 _META_TENSORS = tuple(f.name for f in dataclasses.fields(PageMetadata) if "Tensor" in str(f.type))
-_META_INTS = tuple(f.name for f in dataclasses.fields(PageMetadata) if str(f.type) == "int")  # not decode_run:
-# the other ranks plan each step of a decode run on its own
+# the metadata's ints and flags (not decode_run: the other ranks plan each step of a decode run on their own)
+_META_INTS = tuple(f.name for f in dataclasses.fields(PageMetadata) if str(f.type) in ("int", "bool"))
 # op, runner id, the metadata's ints, then (dtype, rows, cols) for input_ids, logits_indices, hidden_states,
 # aux_layers and each metadata tensor
 _HEADER_LEN = 2 + len(_META_INTS) + 3 * (4 + len(_META_TENSORS))

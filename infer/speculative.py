@@ -134,6 +134,8 @@ class Drafter:
     kind: str  # what Engine.attach_drafter calls it
     token_shift = 0  # position i reads token t_{i + token_shift}
     needs_hidden_states = False
+    # a one-layer head: its catch-up needs every position's K/V but only the last one's output (last_query_only)
+    last_query_only = False
     target_aux_layers: tuple[int, ...] = ()  # intermediate layers the target's forwards must return for it
 
     def __init__(self, model: torch.nn.Module, num_pages: int, page_size: int, backend: str) -> None:
@@ -195,12 +197,15 @@ class Drafter:
         q_lens = [end - start for _, start, end in spans]
         # [B] each span's last row in the packed batch
         last_rows = torch.tensor([row - 1 for row in itertools.accumulate(q_lens)], device=self.device)
-        out = self._forward(
-            input_ids, [s.page_table.pages for s, _, _ in spans], q_lens, [end for _, _, end in spans],
-            torch.cat(hidden_rows) if hidden_rows else None, last_rows,
-        )
-        # One gather and one unbind each, not two indexing ops per request.
-        carried = out.hidden_states[last_rows].unbind() if self.needs_hidden_states else [None] * len(spans)
+        meta = build_page_metadata([s.page_table.pages for s, _, _ in spans], q_lens, [end for _, _, end in spans],
+                                   self.page_size, self.device)
+        meta.last_query_only = self.last_query_only
+        out = self._run(torch.tensor(input_ids, dtype=torch.long, device=self.device), meta, last_rows,
+                        torch.cat(hidden_rows) if hidden_rows else None)
+        carried = [None] * len(spans)
+        if self.needs_hidden_states:  # one gather and one unbind, not two indexing ops per request
+            hidden = out.hidden_states  # [T, H], or [B, H] when the layer computed the last rows alone
+            carried = (hidden if hidden.shape[0] == len(spans) else hidden[last_rows]).unbind()
         for (seq, _, end), logits, hidden in zip(spans, out.logits.unbind(), carried):
             self._states[seq.request_id] = DraftState(end, logits, hidden)
 
@@ -227,13 +232,6 @@ class Drafter:
             logits, hidden = out.logits, (out.hidden_states if self.needs_hidden_states else None)
         return torch.stack(tokens, dim=1), (torch.stack(probs, dim=1) if probs else None)
 
-    def _forward(
-        self, input_ids: list[int], page_lists: list[list[int]], q_lens: list[int], kv_lens: list[int],
-        hidden: Tensor | None, logits_indices: Tensor | None = None,
-    ) -> ModelOutput:
-        meta = build_page_metadata(page_lists, q_lens, kv_lens, self.page_size, self.device)
-        return self._run(torch.tensor(input_ids, dtype=torch.long, device=self.device), meta, logits_indices, hidden)
-
     def _run(self, input_ids: Tensor, meta: PageMetadata, logits_indices: Tensor | None,
              hidden: Tensor | None) -> ModelOutput:
         extra = {"hidden_states": hidden} if self.needs_hidden_states else {}
@@ -252,6 +250,7 @@ class MTPDrafter(Drafter):
     kind = "mtp"
     token_shift = 1
     needs_hidden_states = True
+    last_query_only = True
 
     @torch.inference_mode()
     def target_features(self, out: ModelOutput) -> Tensor:

@@ -16,7 +16,8 @@ Both `python -m infer.bench --spec` and `mtp_train.validate` measure with these 
         predicted(K) = tau(K) * (t(decode) + o_plain) / (K * t(draft) + t(verify over K+1) + o_spec(K))
 
     the forward costs and o measured at the batch size recommended for (`recommend_k_by_batch`: o from 128-token timed
-    runs at K and at 1 there; `infer.bench` fits it from its own sweep at each batch size).
+    runs at K and at 1 there; `infer.bench` fits it from its own sweep at each batch size);
+  - forward costs are timed at the timed runs' mean context (`cost_context`).
 """
 
 from __future__ import annotations
@@ -29,7 +30,16 @@ from infer.engine import Engine, ForwardCosts, Request
 from infer.kv_cache import pages_needed
 from infer.sampling_params import SamplingParams
 
-COST_CONTEXT = 32  # cached tokens behind the timed single forwards
+COST_CONTEXT = 32  # the fewest cached tokens behind the timed single forwards (engines are sized for at least this)
+
+
+def cost_context(prompt_lens: Sequence[int], max_new_tokens: int) -> int:
+    """The cached tokens behind the timed single forwards: the mean context of the timed runs (a prompt and half the
+    tokens generated after it), so the ideal prices each forward where the runs met it: a verify forward's attention
+    grows with the context faster than a decode's (stories260K, batch 8: verify 1.28x its cost at 32 tokens by 128,
+    decode 1.15x)."""
+    prompt_lens = list(prompt_lens)
+    return max(COST_CONTEXT, round(sum(prompt_lens) / len(prompt_lens) + max_new_tokens / 2))
 
 
 @dataclass
@@ -157,7 +167,7 @@ def timing_engines(spec: Engine, batch_sizes: Sequence[int], longest_prompt: int
     tokens (and for the forward costs). Built apart from the measurement: under tensor parallelism every rank builds
     them (rank 0 alone then times them)."""
     k = spec.num_draft_tokens
-    context = max(longest_prompt + TIMING_TOKENS, COST_CONTEXT) + k + 2
+    context = max(longest_prompt + TIMING_TOKENS, COST_CONTEXT) + max(k + 2, spec.config.decode_run_steps)
     sizes = dict(num_pages=max(batch_sizes) * pages_needed(context, spec.config.page_size) + 1,
                  max_num_seqs=max(batch_sizes))
     plain = spec.with_config(**sizes, num_draft_tokens=k)
@@ -196,10 +206,11 @@ def recommend_k_by_batch(engines: TimingEngines, conditional: list[float], batch
     """batch size -> the recommended K and the predicted speedup at every K up to the measured one, from forward
     costs and the step overhead (`step_overhead_at`) measured here at that batch size on `engines` (timing_engines).
     conditional: SpecStats' conditional acceptance (0 at a position never reached: nothing known accepts there),
-    measured at the engines' K (= its length)."""
+    measured at the engines' K (= its length); prompts: token ids."""
     out = {}
     for batch_size in batch_sizes:
-        costs = {k: engines.spec.forward_costs(batch_size, COST_CONTEXT, repeats, num_draft_tokens=k)
+        context = cost_context([len(prompts[i % len(prompts)]) for i in range(batch_size)], TIMING_TOKENS)
+        costs = {k: engines.spec.forward_costs(batch_size, context, repeats, num_draft_tokens=k)
                  for k in range(1, len(conditional) + 1)}
         overhead = step_overhead_at(engines, prompts, batch_size, costs, temperature)
         out[str(batch_size)] = recommend_k(conditional, costs, overhead).to_dict()

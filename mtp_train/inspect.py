@@ -197,7 +197,8 @@ def validation_terms(cfg: DictConfig, tp: int, dtype: torch.dtype, prompt_tokens
     served = Served.build(cfg, tp)
     page = EngineConfig().page_size
     n = prompt_tokens + v.max_new_tokens
-    pages = v.batch_size * pages_needed(max(n, COST_CONTEXT) + v.num_draft_tokens + 2, page) + 1  # mtp_train.validate
+    extra = max(v.num_draft_tokens + 2, EngineConfig().decode_run_steps)
+    pages = v.batch_size * pages_needed(max(n, COST_CONTEXT) + extra, page) + 1  # as mtp_train.validate sizes them
     kv = served.target.kv_bytes_per_token(dtype)
     heads = served.target.attention_dims()["num_heads"]
     return {

@@ -78,6 +78,8 @@ class ChainAttention:
     have positions and how many (anchors 0..n-1, a prefix of the previous step's). One attention layer per head.
     """
 
+    output_rows = None  # every row
+
     def __init__(self) -> None:
         self.step = -1
         self.records: list[int] = []

@@ -43,8 +43,8 @@ from infer.parallel import group_of, init_tp, on_rank0, serve_forever, tp_main, 
 from infer.prompts import VALIDATION_PROMPTS, read_prompt_file
 from infer.sampling_params import SamplingParams
 from infer.speedup import (
-    COST_CONTEXT, TIMING_TOKENS, Comparison, TimingEngines, compare, ideal_speedup, recommend_k_by_batch,
-    timed_generate, timing_engines,
+    COST_CONTEXT, TIMING_TOKENS, Comparison, TimingEngines, compare, cost_context, ideal_speedup,
+    recommend_k_by_batch, timed_generate, timing_engines,
 )
 from mtp_train.data import PackedBatch, step_token_counts, unroll_plan
 from mtp_train.unroll import LossWeights, UnrolledHead, per_step_means
@@ -148,7 +148,8 @@ class ValidationEngines:
 
 def validation_engines(served: Engine, drafter: DraftHead, prompt_ids: list[list[int]], k: int, max_new_tokens: int,
                        batch_size: int, recommend_for: tuple[int, ...]) -> ValidationEngines:
-    longest = max(max(map(len, prompt_ids)) + max_new_tokens, COST_CONTEXT) + k + 2
+    extra = max(k + 2, served.config.decode_run_steps)  # past the longest: a verify, or a timed decode run's steps
+    longest = max(max(map(len, prompt_ids)) + max_new_tokens, COST_CONTEXT) + extra
     sizes = dict(num_pages=batch_size * pages_needed(longest, served.config.page_size) + 1, max_num_seqs=batch_size,
                  num_draft_tokens=k)
     kind = DRAFTER_KINDS[drafter.config.architecture]
@@ -176,7 +177,8 @@ def measure(engines: ValidationEngines, prompt_ids: list[list[int]], k: int, tem
                                                                               len(prompt_ids)), repeats)
                    for t in temperatures}
     runs = [run_record(t, max_new_tokens, result) for t, result in comparisons.items()]
-    costs = spec.forward_costs(min(plain.config.max_num_seqs, len(prompt_ids)), COST_CONTEXT)
+    context = cost_context(map(len, prompt_ids), max_new_tokens)
+    costs = spec.forward_costs(min(plain.config.max_num_seqs, len(prompt_ids)), context)
     for run in runs:
         run["ideal_speedup"] = round(ideal_speedup(run["tau"], costs, k), 3)
         run["achieved_over_ideal"] = round(run["speedup"] / run["ideal_speedup"], 3) if run["ideal_speedup"] else None
@@ -253,6 +255,7 @@ def validate_head(
         "trainer_replay": replay, "replay_gap": gaps, "gap_flag": flag,
         "forward_ms": {"decode": round(costs.decode * 1e3, 3), "draft": round(costs.draft * 1e3, 3),
                        "verify": round(costs.verify * 1e3, 3)},
+        "forward_context_tokens": cost_context(map(len, prompt_ids), max_new_tokens),  # cached behind those forwards
         "recommended_k": {"by_batch_size": recommended,
                           "from": (f"T={basis['temperature']:g} conditional acceptance; forward costs and step "
                                    f"overhead measured at each batch size ({TIMING_TOKENS}-token runs at K and 1)")

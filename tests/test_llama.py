@@ -16,7 +16,7 @@ from transformers import GPT2Config, LlamaConfig
 from transformers import LlamaForCausalLM as HFLlama
 
 from infer import attention
-from infer.attention import KV_BUCKET_MIN, RUN_KV_BYTES, TorchAttention, kv_buckets
+from infer.attention import KV_BUCKET_MIN, MIRROR_BYTES, TorchAttention, kv_buckets
 from infer.kv_cache import DecodeSteps, PagePool, PageTable, build_page_metadata
 from infer.loader import ModelLoadError, load_model
 from infer.models.llama import LlamaForCausalLM
@@ -161,15 +161,15 @@ def test_stories_decodes_of_spread_lengths_attend_in_kv_buckets(stories_model, s
         assert_close(concat_logits(results, b), reference_logits(stories_reference, tokens))
 
 
-@pytest.mark.parametrize("kept_bytes", [RUN_KV_BYTES, 0], ids=["kv-kept", "kv-gathered"])
+@pytest.mark.parametrize("kept_bytes", [MIRROR_BYTES, 0], ids=["kv-kept", "kv-gathered"])
 @torch.no_grad()
 def test_stories_decode_run_planned_once_matches_transformers(stories_model, stories_reference, monkeypatch,
                                                               kept_bytes):
     """A DecodeSteps run (draft forwards, plain decode runs): TorchAttention plans it on its first step (every step
-    reads the keys of the last and masks the positions not yet written) and keeps each layer's gathered keys, later
-    steps writing theirs into them (or, past RUN_KV_BYTES, gathers every step); each step still gives transformers'
-    logits, although the cache past every sequence holds garbage."""
-    monkeypatch.setattr(attention, "RUN_KV_BYTES", kept_bytes)
+    reads the keys of the last and masks the positions not yet written) and keeps each layer's gathered keys in a
+    mirror, later steps writing theirs into it (or, past MIRROR_BYTES, gathers every step); each step still gives
+    transformers' logits, although the cache past every sequence holds garbage."""
+    monkeypatch.setattr(attention, "MIRROR_BYTES", kept_bytes)
     prompt_lens, num_steps, page_size = [5, 12, 3], 4, 4
     seqs = random_tokens(512, *(n + num_steps for n in prompt_lens), seed=5)
     pool = PagePool(64, page_size)
@@ -188,9 +188,86 @@ def test_stories_decode_run_planned_once_matches_transformers(stories_model, sto
         attn.plan(meta)
         ids = torch.stack([s[n + j] for s, n in zip(seqs, prompt_lens)])
         logits.append(stories_model(ids, meta.positions, attn, caches).logits.split(1))
-    assert len(attn._run_kv) == (len(caches) if kept_bytes else 0)  # the path under test was taken
+    assert len(attn._mirror.blocks) == (len(caches) if kept_bytes else 0)  # the path under test was taken
     for b, tokens in enumerate(seqs):
         assert_close(torch.cat([step[b] for step in logits]), reference_logits(stories_reference, tokens))
+
+
+def run_speculative_like(model, reference, monkeypatch, write_mirror: bool) -> int:
+    """Forwards over one batch as speculation runs them: verify-like steps of 3 tokens per sequence that accept a
+    random share (the rejected positions are rewritten by the next step with other tokens), catch-up-like steps of
+    1-3 tokens (a padded group); halfway, the first sequence finishes and a new one takes its pages (the same first
+    page) and prefills. Every forward's logits are checked against transformers on the sequence's tokens so far;
+    returns how many times a layer gathered its keys from the cache into a mirror."""
+    gathers = {"n": 0}
+    gather = attention._Mirror.gather
+
+    def counted(mirror, flat, group):
+        gathers["n"] += 1
+        return gather(mirror, flat, group)
+
+    monkeypatch.setattr(attention._Mirror, "gather", counted)
+    if not write_mirror:
+        monkeypatch.setattr(attention._Mirror, "rows", lambda mirror, q_lens, positions: torch.zeros(
+            2 * positions.shape[0], dtype=torch.long))  # every write lands on row 0: the mirror goes stale
+    rng = torch.Generator().manual_seed(7)
+    page_size, num_pages = 4, 64
+    pool = PagePool(num_pages, page_size)
+    caches = model.allocate_kv_cache(num_pages, page_size, torch.float32, torch.device("cpu"))
+    tables = [PageTable(pool) for _ in range(3)]
+    tokens = [torch.randint(3, 512, (n,), generator=rng) for n in (5, 9, 2)]  # settled tokens of each sequence
+    attn = TorchAttention()
+
+    def forward(chunks: list[torch.Tensor]) -> None:
+        q_lens = [len(c) for c in chunks]
+        for table, seq, q_len in zip(tables, tokens, q_lens):
+            table.extend(len(seq) + q_len)
+        kv_lens = [len(seq) + q for seq, q in zip(tokens, q_lens)]
+        meta = build_page_metadata([t.pages for t in tables], q_lens, kv_lens, page_size, torch.device("cpu"))
+        attn.plan(meta)
+        logits = model(torch.cat(chunks), meta.positions, attn, caches).logits.split(q_lens)
+        assert (attn._mirror is not None) == any(len(seq) for seq in tokens)  # every forward over the cache reads one
+        for seq, chunk, out in zip(tokens, chunks, logits):
+            assert_close(out, reference_logits(reference, torch.cat((seq, chunk)))[-len(chunk):])
+
+    prompts, tokens = tokens, [seq[:0] for seq in tokens]
+    forward(prompts)  # the prefill: a fresh forward over the prompts alone
+    tokens = prompts
+    for step in range(12):
+        if step == 6:  # the first sequence ends; a new one gets its pages, first page first, and prefills 4 tokens
+            first_page = tables[0].pages[0]
+            pool.release(tables[0].pages[::-1])
+            tables[0], tokens[0] = PageTable(pool), tokens[0][:0]
+            chunks = [torch.randint(3, 512, (n,), generator=rng) for n in (4, 1, 1)]
+            forward(chunks)  # one padded group of short queries, beside the others' decodes
+            assert tables[0].pages[0] == first_page
+            tokens = [torch.cat((seq, chunk)) for seq, chunk in zip(tokens, chunks)]
+            continue
+        q_lens = [3] * 3 if step % 2 == 0 else [int(torch.randint(1, 4, (1,), generator=rng)) for _ in tokens]
+        chunks = [torch.randint(3, 512, (q,), generator=rng) for q in q_lens]
+        forward(chunks)
+        for b, chunk in enumerate(chunks):  # accept a prefix; the rest is rewritten by the next forward
+            accepted = int(torch.randint(1, len(chunk) + 1, (1,), generator=rng))
+            tokens[b] = torch.cat((tokens[b], chunk[:accepted]))
+            tables[b].truncate(len(tokens[b]))
+    return gathers["n"]
+
+
+@torch.no_grad()
+def test_stories_forwards_over_one_batch_read_a_mirror_and_match_transformers(stories_model, stories_reference,
+                                                                              monkeypatch):
+    """TorchAttention keeps the keys of a batch its forwards keep attending (speculation's verify forwards and
+    catch-ups) in a mirror that every forward writes into: it is gathered once per layer, not per forward, and every
+    logit is transformers' though positions are rejected and rewritten, queries padded and pages reused."""
+    gathers = run_speculative_like(stories_model, stories_reference, monkeypatch, write_mirror=True)
+    assert gathers == len(stories_model.model.layers)  # one gather per layer, at the first forward over the cache
+
+
+@torch.no_grad()
+def test_stories_mirror_that_misses_writes_breaks_the_logits(stories_model, stories_reference, monkeypatch):
+    """The control: a mirror whose writes land elsewhere serves stale keys, and the logits leave transformers'."""
+    with pytest.raises(AssertionError, match="reference range"):
+        run_speculative_like(stories_model, stories_reference, monkeypatch, write_mirror=False)
 
 
 @torch.no_grad()

@@ -20,6 +20,7 @@ from infer.models.mtp_head import (
 )
 from infer.sampling_params import SamplingParams
 from tests.test_eagle3 import eagle3_head
+from tests.test_export import dsv2_dir, dsv2_head, dsv2_model  # noqa: F401 - fixtures
 from tests.test_speculative import packed_prefill
 
 pytestmark = pytest.mark.usefixtures("one_torch_thread")
@@ -246,3 +247,55 @@ def test_head_loaded_in_another_dtype_runs_or_is_refused(stories_model, tmp_path
     want = packed_prefill(head, [prompt[1:] + [300]], hidden).logits
     got = packed_prefill(loaded, [prompt[1:] + [300]], hidden).logits  # raises today: fp32 embedding, bf16 weights
     assert (got.float() - want).abs().max() <= 0.05 * (want.max() - want.min())
+
+
+def catch_up_once(head, last_query_only: bool) -> tuple[torch.Tensor, torch.Tensor, list]:
+    """A head's prefill of three sequences, then one catch-up-like forward of 3, 1 and 4 new rows each on the paged
+    cache: (logits [3, V] and hidden states [3, H] at each sequence's last row, the caches after it)."""
+    from infer.attention import TorchAttention  # noqa: PLC0415
+    from infer.kv_cache import PagePool, PageTable, build_page_metadata  # noqa: PLC0415
+
+    gen = torch.Generator().manual_seed(3)
+    prompt_lens, q_lens, page_size = [5, 2, 7], [3, 1, 4], 4
+    pool = PagePool(16, page_size)
+    caches = head.allocate_kv_cache(16, page_size, torch.float32, torch.device("cpu"))
+    tables = [PageTable(pool) for _ in prompt_lens]
+    attn = TorchAttention()
+    hidden_size = head.config.hidden_size
+    for step, (lens, kv_lens) in enumerate([(prompt_lens, prompt_lens),
+                                            (q_lens, [p + q for p, q in zip(prompt_lens, q_lens)])]):
+        for table, kv_len in zip(tables, kv_lens):
+            table.extend(kv_len)
+        meta = build_page_metadata([t.pages for t in tables], lens, kv_lens, page_size, torch.device("cpu"))
+        meta.last_query_only = last_query_only and step == 1
+        last_rows = torch.tensor(lens).cumsum(0) - 1
+        attn.plan(meta)
+        out = head(torch.randint(3, 512, (sum(lens),), generator=gen), meta.positions, attn, caches, last_rows,
+                   hidden_states=torch.randn(sum(lens), hidden_size, generator=gen))
+    hidden = out.hidden_states
+    if last_query_only:
+        assert hidden.shape[0] == len(q_lens)  # the layer computed the last rows alone
+        return out.logits, hidden, caches
+    return out.logits, hidden[last_rows], caches
+
+
+@torch.no_grad()
+def test_catch_up_of_the_last_rows_alone_gives_every_rows_caches_and_the_carry(saved_head):
+    """A one-layer head's catch-up (last_query_only) attends and runs its MLP for each sequence's last row only, yet
+    writes every row's K/V: the carry (logits, hidden state) and the caches equal the full forward's."""
+    head, _ = saved_head
+    assert_same_catch_up(head)
+
+
+@torch.no_grad()
+def test_deepseek_head_catch_up_of_the_last_rows_alone(dsv2_model):
+    """The same for an MLA head with the target's MoE (latent and rope-key caches)."""
+    assert_same_catch_up(dsv2_head(dsv2_model))
+
+
+def assert_same_catch_up(head) -> None:
+    logits, hidden, caches = catch_up_once(head, last_query_only=False)
+    last_logits, last_hidden, last_caches = catch_up_once(head, last_query_only=True)
+    torch.testing.assert_close(last_logits, logits, rtol=1e-5, atol=1e-5)
+    torch.testing.assert_close(last_hidden, hidden, rtol=1e-5, atol=1e-5)
+    torch.testing.assert_close(last_caches, caches, rtol=0, atol=0)

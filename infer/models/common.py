@@ -26,11 +26,18 @@ class ModelOutput:
     aux_hidden_states: dict[int, torch.Tensor] = field(default_factory=dict)
 
 
+def keep_output_rows(x: torch.Tensor, attn) -> torch.Tensor:
+    """A layer's residual [T, H] -> the rows its attention computed outputs for (`AttentionBackend.output_rows`)."""
+    return x if attn.output_rows is None else x.index_select(0, attn.output_rows)
+
+
 def run_decoder_layers(
     layers: nn.ModuleList, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, attn, kv_caches: list,
     aux_layers: Sequence[int] = (),
 ) -> tuple[torch.Tensor, dict[int, torch.Tensor]]:
     """The decoder stack over a packed batch: the last layer's output and the outputs of `aux_layers`."""
+    if attn.output_rows is not None:
+        raise ValueError("a last_query_only step serves one-layer heads: a decoder stack needs every row's output")
     aux: dict[int, torch.Tensor] = {}
     for i, layer in enumerate(layers):
         x = layer(x, cos, sin, attn, kv_caches[i])

@@ -31,7 +31,7 @@ from transformers.activations import ACT2FN
 
 from infer.attention import AttentionBackend
 from infer.models.common import (
-    ModelOutput, RMSNorm, RotaryEmbedding, apply_rope_interleaved, final_logits, run_decoder_layers,
+    ModelOutput, RMSNorm, RotaryEmbedding, apply_rope_interleaved, final_logits, keep_output_rows, run_decoder_layers,
 )
 from infer.parallel import TPGroup, check_split, column_linear, current, lm_head_linear, row_linear, vocab_embedding
 
@@ -131,8 +131,8 @@ class DeepseekV2Attention(nn.Module):
         q_latent = torch.einsum("thd,hdr->thr", q_nope, w_uk)  # [T, H, R]
         ckv_cache, kpe_cache = kv_cache
         out_latent = attn.attend_mla(q_latent, q_rope, latent, k_rope, ckv_cache, kpe_cache, self.scale)
-        out = torch.einsum("thr,hvr->thv", out_latent.to(w_uv.dtype), w_uv)  # [T, H, dv]
-        return self.o_proj(out.reshape(tokens, self.num_heads * self.v_head_dim))
+        out = torch.einsum("thr,hvr->thv", out_latent.to(w_uv.dtype), w_uv)  # [T or len(attn.output_rows), H, dv]
+        return self.o_proj(out.reshape(out.shape[0], self.num_heads * self.v_head_dim))
 
 
 class DeepseekV2MLP(nn.Module):
@@ -269,7 +269,8 @@ class DeepseekV2DecoderLayer(nn.Module):
         attn: AttentionBackend,
         kv_cache: tuple[torch.Tensor, torch.Tensor],
     ) -> torch.Tensor:
-        x = x + self.self_attn(self.input_layernorm(x), cos, sin, attn, kv_cache)
+        out = self.self_attn(self.input_layernorm(x), cos, sin, attn, kv_cache)
+        x = keep_output_rows(x, attn) + out
         return x + self.mlp(self.post_attention_layernorm(x))
 
 

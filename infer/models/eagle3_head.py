@@ -42,7 +42,7 @@ from torch import nn
 from transformers import LlamaConfig, PretrainedConfig
 
 from infer.attention import AttentionBackend
-from infer.models.common import ModelOutput, RMSNorm, RotaryEmbedding
+from infer.models.common import ModelOutput, RMSNorm, RotaryEmbedding, keep_output_rows
 from infer.models.head_base import DraftHead, HeadLoadError, MTPHeadConfig
 from infer.models.llama import LlamaAttention, LlamaMLP
 from infer.parallel import ParallelLMHead, TPGroup, current, whole_weight
@@ -107,7 +107,7 @@ class Eagle3DecoderLayer(nn.Module):
                 attn: AttentionBackend, kv_cache: torch.Tensor) -> torch.Tensor:
         """emb, hidden [T, H] -> [T, H]."""
         both = torch.cat((self.input_layernorm(emb), self.hidden_norm(hidden)), dim=-1)  # [T, 2H]
-        x = hidden + self.self_attn(both, cos, sin, attn, kv_cache)
+        x = keep_output_rows(hidden, attn) + self.self_attn(both, cos, sin, attn, kv_cache)
         return x + self.mlp(self.post_attention_layernorm(x))
 
 
@@ -171,14 +171,15 @@ class Eagle3Head(DraftHead):
         logits_indices: torch.Tensor | None = None,
         hidden_states: torch.Tensor | None = None,
     ) -> ModelOutput:
-        """input_ids [T] are t_{i+1}; hidden_states [T, H] are g_i (step 0) or the head's own h'; positions [T]."""
+        """input_ids [T] are t_{i+1}; hidden_states [T, H] are g_i (step 0) or the head's own h'; positions [T]. After
+        a last_query_only plan the outputs are the last rows alone (attn.output_rows), logits_indices unused."""
         assert self.shared is not None, "attach() the target's weights first"
         assert hidden_states is not None, "the head needs the fused target states or its own"
         dtype = self.fc.weight.dtype
         emb = self.shared.embed_tokens(input_ids).to(dtype)
         cos, sin = self.rotary_emb.half_split(positions)
         x = self.layer(emb, hidden_states.to(dtype), cos, sin, attn, kv_caches[0])
-        return ModelOutput(self.compute_logits(x, logits_indices), x)
+        return ModelOutput(self.compute_logits(x, None if attn.output_rows is not None else logits_indices), x)
 
     def compute_logits(self, hidden_states: torch.Tensor, indices: torch.Tensor | None = None) -> torch.Tensor:
         """fp32 logits over the target's vocabulary: the draft vocabulary's, -inf everywhere else."""

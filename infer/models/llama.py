@@ -21,7 +21,7 @@ from transformers import LlamaConfig
 
 from infer.attention import AttentionBackend
 from infer.models.common import (
-    ModelOutput, RMSNorm, RotaryEmbedding, apply_rope_half, final_logits, run_decoder_layers,
+    ModelOutput, RMSNorm, RotaryEmbedding, apply_rope_half, final_logits, keep_output_rows, run_decoder_layers,
 )
 from infer.parallel import (
     TPGroup, check_split, column_linear, current, head_spans, lm_head_linear, row_linear, vocab_embedding,
@@ -72,8 +72,8 @@ class LlamaAttention(nn.Module):
         # split_with_sizes: the C++ method, not Tensor.split's Python wrapper (a measurable share of a small step)
         qk, v = qkv.split_with_sizes((self.num_heads + self.num_kv_heads, self.num_kv_heads), dim=1)
         q, k = apply_rope_half(qk, cos, sin).split_with_sizes((self.num_heads, self.num_kv_heads), dim=1)
-        out = attn.attend(q, k, v, kv_cache, self.scale)
-        return self.o_proj(out.reshape(tokens, self.num_heads * self.head_dim))
+        out = attn.attend(q, k, v, kv_cache, self.scale)  # [T or len(attn.output_rows), H, D]
+        return self.o_proj(out.reshape(out.shape[0], self.num_heads * self.head_dim))
 
 
 class LlamaMLP(nn.Module):
@@ -102,7 +102,8 @@ class LlamaDecoderLayer(nn.Module):
     def forward(
         self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, attn: AttentionBackend, kv_cache: torch.Tensor
     ) -> torch.Tensor:
-        x = x + self.self_attn(self.input_layernorm(x), cos, sin, attn, kv_cache)
+        out = self.self_attn(self.input_layernorm(x), cos, sin, attn, kv_cache)
+        x = keep_output_rows(x, attn) + out
         return x + self.mlp(self.post_attention_layernorm(x))
 
 

@@ -103,7 +103,8 @@ class MTPHead(DraftHead):
         logits_indices: torch.Tensor | None = None,
         hidden_states: torch.Tensor | None = None,
     ) -> ModelOutput:
-        """input_ids [T] are t_{i+1}, hidden_states [T, H] are h_i, positions [T] are i."""
+        """input_ids [T] are t_{i+1}, hidden_states [T, H] are h_i, positions [T] are i. After a last_query_only
+        plan the layer computes the last rows alone (attn.output_rows): they are the outputs, logits_indices unused."""
         assert self.shared is not None, "attach() the target's weights first"
         assert hidden_states is not None, "the head needs the target's hidden states"
         dtype = self.eh_proj.weight.dtype  # the head may run in another precision than the target
@@ -112,7 +113,7 @@ class MTPHead(DraftHead):
         # Llama rotates half-split pairs, DeepSeek interleaved ones
         cos, sin = self.rotary_emb(positions) if self.mla else self.rotary_emb.half_split(positions)
         x = self.layer(x, cos, sin, attn, kv_caches[0])
-        return ModelOutput(self.compute_logits(x, logits_indices), x)
+        return ModelOutput(self.compute_logits(x, None if attn.output_rows is not None else logits_indices), x)
 
 
 def config_identity(config: dict) -> dict:
