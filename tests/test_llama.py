@@ -208,8 +208,8 @@ def run_speculative_like(model, reference, monkeypatch, write_mirror: bool) -> i
 
     monkeypatch.setattr(attention._Mirror, "gather", counted)
     if not write_mirror:
-        monkeypatch.setattr(attention._Mirror, "rows", lambda mirror, q_lens, positions: torch.zeros(
-            2 * positions.shape[0], dtype=torch.long))  # every write lands on row 0: the mirror goes stale
+        rows = attention._Mirror.rows  # every write lands on row 0: the mirror goes stale
+        monkeypatch.setattr(attention._Mirror, "rows", lambda *args: torch.zeros_like(rows(*args)))
     rng = torch.Generator().manual_seed(7)
     page_size, num_pages = 4, 64
     pool = PagePool(num_pages, page_size)
@@ -268,6 +268,29 @@ def test_stories_mirror_that_misses_writes_breaks_the_logits(stories_model, stor
     """The control: a mirror whose writes land elsewhere serves stale keys, and the logits leave transformers'."""
     with pytest.raises(AssertionError, match="reference range"):
         run_speculative_like(stories_model, stories_reference, monkeypatch, write_mirror=False)
+
+
+@torch.no_grad()
+def test_stories_many_sequences_attend_by_matmul_over_the_mirror_and_match_transformers(stories_model,
+                                                                                      stories_reference, monkeypatch):
+    """Decodes and verify-like rows of MATMUL_ATTENTION_MIN_SEQS or more sequences over a mirror take the batched
+    matmul-softmax path (SDPA serves only the prefill), and every sequence's logits are transformers'."""
+    sdpa_calls = {"n": 0}
+    sdpa = attention.F.scaled_dot_product_attention
+
+    def counted(*args, **kwargs):
+        sdpa_calls["n"] += 1
+        return sdpa(*args, **kwargs)
+
+    monkeypatch.setattr(attention.F, "scaled_dot_product_attention", counted)
+    prompt_lens = [5 + i % 4 for i in range(attention.MATMUL_ATTENTION_MIN_SEQS)]  # one prefill group
+    seqs = random_tokens(512, *(n + 9 for n in prompt_lens), seed=8)
+    steps = decode_steps(seqs, prompt_lens)[:4]  # the prefill, then three decode steps
+    steps.append([seq[n + 3 : n + 9] for seq, n in zip(seqs, prompt_lens)])  # then 6 rows each (verify-like)
+    results = run_paged(stories_model, steps, page_size=4, num_pages=256)
+    assert sdpa_calls["n"] == len(stories_model.model.layers)  # the prefill's causal SDPA, one group, only
+    for b, tokens in enumerate(seqs):
+        assert_close(concat_logits(results, b), reference_logits(stories_reference, tokens))
 
 
 @torch.no_grad()
