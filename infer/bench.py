@@ -20,6 +20,7 @@ from __future__ import annotations
 import argparse
 import functools
 import json
+import math
 import sys
 import time
 from pathlib import Path
@@ -130,6 +131,9 @@ def spec_row(plain: Engine, spec: Engine, batch: list[str], params: SamplingPara
         "temperature": params.temperature, "batch_size": len(batch), "k": k,
         "plain_tok_s": round(result.plain.tok_s, 1), "spec_tok_s": round(result.spec.tok_s, 1),
         "speedup": round(result.speedup, 3), "tau": tau,
+        # a batch's requests accept differently: the last ones run steps of a shrinking batch that the ideal (every
+        # step a full batch at the mean tau) does not count; steps_at_tau is what it counts
+        "spec_steps": result.spec.steps, "steps_at_tau": 1 + math.ceil((params.max_new_tokens - 1) / tau),
         "acceptance_per_position": result.stats["acceptance_per_position"],
         "conditional_acceptance": result.stats["conditional_acceptance"],
         "ideal_speedup": round(ideal, 3), "achieved_over_ideal": round(result.speedup / ideal, 3),

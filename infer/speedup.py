@@ -47,6 +47,7 @@ class Timed:
     seconds: float
     tokens: int  # generated tokens
     requests: list[Request]
+    steps: int  # engine steps
 
     @property
     def tok_s(self) -> float:
@@ -55,9 +56,10 @@ class Timed:
 
 def timed_generate(engine: Engine, prompts: Sequence, params: SamplingParams | Sequence[SamplingParams]) -> Timed:
     """One batch run to completion."""
-    start = time.perf_counter()
+    start, steps = time.perf_counter(), engine.num_steps
     requests = engine.generate(prompts, params)
-    return Timed(time.perf_counter() - start, sum(len(r.output_ids) for r in requests), requests)
+    return Timed(time.perf_counter() - start, sum(len(r.output_ids) for r in requests), requests,
+                 engine.num_steps - steps)
 
 
 @dataclass
