@@ -8,8 +8,11 @@ called by every layer. Two attention kinds are served:
                   by W_UK, keys are [compressed latent ; rope key] shared by all heads, values are the latent.
                   Caches: ckv [num_pages, page_size, kv_lora_rank] and kpe [num_pages, page_size, rope_dim]
                   (FlashInfer's MLA layout).
-`TorchAttention` groups a step's sequences by query length, gathers each group's keys into a batch and calls SDPA
-(CPU, tests); `FlashInferAttention` runs FlashInfer's paged kernels (GPU), imported only when chosen.
+`TorchAttention` groups a step's sequences by query length, gathers each group's keys into a batch (or reads them
+from the mirror it keeps while its forwards attend the same sequences) and calls SDPA (CPU, tests);
+`FlashInferAttention` runs FlashInfer's paged kernels (GPU), imported only when chosen. A step may ask for outputs
+at each sequence's last row only (`PageMetadata.last_query_only`: a one-layer head's catch-up); a backend says which
+rows it computed in `output_rows`.
 """
 
 from __future__ import annotations

@@ -5,7 +5,8 @@ Terms (per request):
   carry     the drafter's logits (and, for MTP, its hidden state) at its last cached position: they propose the
             first draft of the next step without another forward
   catch-up  after every target forward the drafter runs over the positions the target has just settled, so it
-            ends each step in lockstep with the target
+            ends each step in lockstep with the target (a one-layer head writes every position's K/V but computes
+            its output at the last position alone: `PageMetadata.last_query_only`)
   emitted   the accepted drafts, then one token from the target (a correction, or a bonus after K acceptances)
 
 A drafter holds its own KV tensors, indexed by the *same* page tables as the target's (one allocator, one
