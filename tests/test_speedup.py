@@ -10,7 +10,10 @@ from infer.engine import Engine, EngineConfig, ForwardCosts
 from infer.models.mtp_head import read_head_config
 from infer.sampling_params import SamplingParams
 from infer.speculative import SpecStats
-from infer.speedup import StepOverhead, compare, ideal_speedup, predicted_speedup, predicted_tau, recommend_k
+from infer.speedup import (
+    COST_CONTEXT, StepOverhead, compare, cost_context, ideal_speedup, predicted_speedup, predicted_tau, recommend_k,
+    timed_generate,
+)
 from mtp_train.export import export_head, main
 
 
@@ -95,3 +98,13 @@ def test_compare_counts_one_timed_runs_statistics(stories_model, stories_tokeniz
     assert once["verify_steps"] > 0
     assert thrice["verify_steps"] == once["verify_steps"]
     assert thrice["conditional_acceptance_se"] == once["conditional_acceptance_se"]
+
+
+def test_forward_costs_are_priced_at_the_timed_runs_mean_context(stories_model, stories_tokenizer):
+    """The ideal's forwards are timed where the runs met them: a prompt and half the new tokens on average (never
+    fewer than COST_CONTEXT); a timed run counts its engine steps (the steps a shrinking batch adds show there)."""
+    assert cost_context([20, 40], 128) == 30 + 64
+    assert cost_context([3], 8) == COST_CONTEXT
+    plain = timed_generate(Engine(stories_model, stories_tokenizer, [2], EngineConfig(num_pages=64)), [[1, 403, 407]],
+                           SamplingParams(max_new_tokens=9, ignore_eos=True))
+    assert plain.steps == 9 and plain.tokens == 9  # the prefill emits the first token, then one decode step each
