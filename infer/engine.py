@@ -384,6 +384,9 @@ class Engine:
         meta = None if speculating else self._decode_run_meta(rows)
         if meta is None:
             meta = build_page_metadata(page_lists, q_lens, kv_lens, self.config.page_size, self.device)
+        if speculating and not rows.num_tokens:  # verify rows alone: every row's logits, in order
+            return self.runner.run(verify_ids.flatten().to(self.device), meta, None,
+                                   aux_layers=self.drafter.target_aux_layers)
         ids = torch.tensor(rows.input_ids, dtype=torch.long, device=self.device)
         logits_rows = None  # decodes only: every row samples, no rows to pick
         if speculating or len(rows.sampling) < rows.num_tokens:
