@@ -404,13 +404,9 @@ class TorchAttention:
         group.set_mask(self._run_masks[meta.decode_step])
         self.kv_write = self._run_writes[meta.decode_step]
         self.groups = [group]
-        mirror = self._mirror
-        if mirror is None or mirror is not self._run_mirror:  # (the run's mirror serves every step it is kept)
-            mirror = self._keep_mirror(meta, group.read_shape[1])
-        if mirror is not self._run_mirror:  # the run's steps' rows in the mirror's blocks (another mirror: anew)
-            self._run_mirror = mirror
-            self._run_mirror_writes = None  # built by the first layer that writes into the mirror
-        self.mirror_write = None
+        if self._mirror is None or self._mirror is not self._run_mirror:  # the run's mirror serves all its steps
+            # another mirror: the run's rows in its blocks are built anew, by the first layer that writes into it
+            self._run_mirror, self._run_mirror_writes = self._keep_mirror(meta, group.read_shape[1]), None
         self._mirror_tokens = (run, meta.decode_step)
 
     def _read_kv(self, flat: torch.Tensor, group: _Group, kv: torch.Tensor) -> torch.Tensor:

@@ -33,6 +33,12 @@ from infer.sampling_params import SamplingParams
 COST_CONTEXT = 32  # the fewest cached tokens behind the timed single forwards (engines are sized for at least this)
 
 
+def timing_headroom(k: int, decode_run_steps: int) -> int:
+    """Tokens a timing engine needs past a sequence's context: a verify forward's K+1 (and a draft LM's one more),
+    or the steps of a timed decode run (`Engine.forward_costs`)."""
+    return max(k + 2, decode_run_steps)
+
+
 def cost_context(prompt_lens: Sequence[int], max_new_tokens: int) -> int:
     """The cached tokens behind the timed single forwards: the mean context of the timed runs (a prompt and half the
     tokens generated after it), so the ideal prices each forward where the runs met it: a verify forward's attention
@@ -169,7 +175,7 @@ def timing_engines(spec: Engine, batch_sizes: Sequence[int], longest_prompt: int
     tokens (and for the forward costs). Built apart from the measurement: under tensor parallelism every rank builds
     them (rank 0 alone then times them)."""
     k = spec.num_draft_tokens
-    context = max(longest_prompt + TIMING_TOKENS, COST_CONTEXT) + max(k + 2, spec.config.decode_run_steps)
+    context = max(longest_prompt + TIMING_TOKENS, COST_CONTEXT) + timing_headroom(k, spec.config.decode_run_steps)
     sizes = dict(num_pages=max(batch_sizes) * pages_needed(context, spec.config.page_size) + 1,
                  max_num_seqs=max(batch_sizes))
     plain = spec.with_config(**sizes, num_draft_tokens=k)

@@ -44,7 +44,7 @@ from infer.prompts import VALIDATION_PROMPTS, read_prompt_file
 from infer.sampling_params import SamplingParams
 from infer.speedup import (
     COST_CONTEXT, TIMING_TOKENS, Comparison, TimingEngines, compare, cost_context, ideal_speedup,
-    recommend_k_by_batch, timed_generate, timing_engines,
+    recommend_k_by_batch, timed_generate, timing_engines, timing_headroom,
 )
 from mtp_train.data import PackedBatch, step_token_counts, unroll_plan
 from mtp_train.unroll import LossWeights, UnrolledHead, per_step_means
@@ -148,8 +148,8 @@ class ValidationEngines:
 
 def validation_engines(served: Engine, drafter: DraftHead, prompt_ids: list[list[int]], k: int, max_new_tokens: int,
                        batch_size: int, recommend_for: tuple[int, ...]) -> ValidationEngines:
-    extra = max(k + 2, served.config.decode_run_steps)  # past the longest: a verify, or a timed decode run's steps
-    longest = max(max(map(len, prompt_ids)) + max_new_tokens, COST_CONTEXT) + extra
+    longest = (max(max(map(len, prompt_ids)) + max_new_tokens, COST_CONTEXT)
+               + timing_headroom(k, served.config.decode_run_steps))
     sizes = dict(num_pages=batch_size * pages_needed(longest, served.config.page_size) + 1, max_num_seqs=batch_size,
                  num_draft_tokens=k)
     kind = DRAFTER_KINDS[drafter.config.architecture]
@@ -164,6 +164,7 @@ class Measured(NamedTuple):
     greedy_sequences: list[list[int]] | None  # the plain engine's greedy outputs (the trainer's replay reads them)
     recommended: dict  # recommend_k_by_batch's, {} when not asked for
     costs: ForwardCosts
+    cost_context: int  # cached tokens behind the timed forwards
 
 
 def measure(engines: ValidationEngines, prompt_ids: list[list[int]], k: int, temperatures: tuple[float, ...],
@@ -188,7 +189,8 @@ def measure(engines: ValidationEngines, prompt_ids: list[list[int]], k: int, tem
         recommended = recommend_k_by_batch(engines.timing, basis["conditional_acceptance"], recommend_for, prompt_ids,
                                            basis["temperature"])
     greedy = comparisons.get(0.0)
-    return Measured(runs, [r.token_ids for r in greedy.plain.requests] if greedy else None, recommended, costs)
+    return Measured(runs, [r.token_ids for r in greedy.plain.requests] if greedy else None, recommended, costs,
+                    context)
 
 
 def validate_head(
@@ -255,7 +257,7 @@ def validate_head(
         "trainer_replay": replay, "replay_gap": gaps, "gap_flag": flag,
         "forward_ms": {"decode": round(costs.decode * 1e3, 3), "draft": round(costs.draft * 1e3, 3),
                        "verify": round(costs.verify * 1e3, 3)},
-        "forward_context_tokens": cost_context(map(len, prompt_ids), max_new_tokens),  # cached behind those forwards
+        "forward_context_tokens": measured.cost_context,  # cached behind those forwards
         "recommended_k": {"by_batch_size": recommended,
                           "from": (f"T={basis['temperature']:g} conditional acceptance; forward costs and step "
                                    f"overhead measured at each batch size ({TIMING_TOKENS}-token runs at K and 1)")
