@@ -11,7 +11,7 @@ from typing import Optional
 from hydra.core.config_store import ConfigStore
 from omegaconf import MISSING, DictConfig
 
-from data_tools.config import DataConfig, HeadConfig, ModelConfig, at_least, compose, one_of
+from data_tools.config import ConfigError, DataConfig, HeadConfig, ModelConfig, at_least, compose, one_of
 
 
 @dataclass
@@ -29,6 +29,7 @@ class LossConfig:
 class TrainerConfig:
     zero_stage: int = field(default=2, metadata=one_of(1, 2, 3))
     dtype: str = field(default="bfloat16", metadata=one_of("bfloat16", "float32"))
+    autocast: bool = False  # with dtype float32: the head's linear layers in bf16 (torch.autocast), the rest fp32
     micro_batch_size: int = field(default=1, metadata=at_least(1))
     seq_len: int = field(default=4096, metadata=at_least(1))
     grad_accum: int = field(default=1, metadata=at_least(1))
@@ -88,4 +89,13 @@ ConfigStore.instance().store(name="train_schema", node=TrainConfig)
 
 def compose_training(overrides: list[str], complete: bool = True) -> DictConfig:
     """conf/config.yaml with overrides, typed and checked (ConfigError naming the key)."""
-    return compose("config", overrides, complete)
+    cfg = compose("config", overrides, complete)
+    check_training(cfg)
+    return cfg
+
+
+def check_training(cfg: DictConfig) -> None:
+    """The rules between fields that the schema's per-field ranges cannot state."""
+    if cfg.trainer.autocast and cfg.trainer.dtype != "float32":
+        raise ConfigError("trainer.autocast runs the head's linear layers in bf16 over fp32 weights: it needs "
+                          f"trainer.dtype=float32, got {cfg.trainer.dtype}")

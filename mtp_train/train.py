@@ -25,9 +25,11 @@ from mtp_train.config import TrainConfig  # noqa: F401 - registers the schema co
 @hydra.main(config_path=str(CONF_DIR), config_name="config", version_base=None)
 def main(cfg: DictConfig) -> None:
     from data_tools.config import ConfigError, check  # noqa: PLC0415 - keep `--cfg job` free of torch start-up
+    from mtp_train.config import check_training  # noqa: PLC0415
 
     try:
         check(cfg)
+        check_training(cfg)
         with run_lock.hold(Path(cfg.output_dir)):  # before torch's start-up: a refused run ends at once
             train(cfg)
     except (ConfigError, run_lock.RunLockError) as err:

@@ -73,7 +73,7 @@ class Trainer:
         self.head = build_head(self.target, cfg.head, cfg.model.path, self.dtype).to(self.device)
         self.num_steps = cfg.loss.unroll_steps
         self.objective = UnrolledHead(self.head, self.target.norm_weight, self.target.eps, self.num_steps,
-                                      LossWeights.from_config(cfg.loss))
+                                      LossWeights.from_config(cfg.loss), autocast=t.autocast)
 
         dataset = open_features(cfg.features_dir, self.target.config.hidden_size, self.head.target_aux_layers)
         train_ids, eval_ids = split_records(len(dataset), cfg.eval_records, cfg.seed)

@@ -18,7 +18,7 @@ trainer, so the gradient does not depend on how the global batch is split over r
 from __future__ import annotations
 
 from collections.abc import Iterator
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 import torch
 from omegaconf import DictConfig
@@ -52,30 +52,38 @@ class LossWeights:
                    chunk_tokens=loss.chunk_tokens)
 
 
-def unrolled_steps(head: DraftHead, batch: PackedBatch, num_steps: int) -> Iterator[tuple[UnrollStep, ModelOutput]]:
-    """The head's num_steps drafting steps over a packed batch (TTT attention), one (plan, output) per step."""
+def unrolled_steps(head: DraftHead, batch: PackedBatch, num_steps: int,
+                   autocast: bool = False) -> Iterator[tuple[UnrollStep, ModelOutput]]:
+    """The head's num_steps drafting steps over a packed batch (TTT attention), one (plan, output) per step.
+    autocast: the head's linear layers in bf16 under torch.autocast (attention stays in the batch's dtype)."""
     device = batch.input_ids.device
-    attn = ChainAttention()
+    attn = ChainAttention(batch.hidden_states.dtype)
     kv_caches = [(None, None)] if head.mla else [None]
     no_logits = torch.empty(0, dtype=torch.long, device=device)
-    hidden = head.features(batch.hidden_states, batch.aux_hidden_states)  # step 0 reads the target's features
+    mixed = torch.autocast(device.type, dtype=torch.bfloat16, enabled=autocast)
+    with mixed:
+        hidden = head.features(batch.hidden_states, batch.aux_hidden_states)  # step 0 reads the target's features
     for step in unroll_plan(batch.seq_lens, num_steps, device):
         attn.begin_step(step.records, step.seq_lens)
-        out = head(batch.input_ids[step.token_index], step.positions, attn, kv_caches, no_logits,
-                   hidden_states=hidden[step.prev_index])
+        with mixed:
+            out = head(batch.input_ids[step.token_index], step.positions, attn, kv_caches, no_logits,
+                       hidden_states=hidden[step.prev_index])
+        if autocast:  # the losses and the next step read the states in the training dtype
+            out = replace(out, hidden_states=out.hidden_states.to(batch.hidden_states.dtype))
         yield step, out
         hidden = out.hidden_states
 
 
 class UnrolledHead(nn.Module):
     def __init__(self, head: DraftHead, norm_weight: torch.Tensor, eps: float, num_steps: int,
-                 weights: LossWeights) -> None:
+                 weights: LossWeights, autocast: bool = False) -> None:
         super().__init__()
         if num_steps < 1:
             raise ValueError(f"loss.unroll_steps must be >= 1, got {num_steps}")
         self.head = head
         self.__dict__["norm_weight"] = norm_weight  # frozen target tensor: not a buffer, never saved or cast
         self.eps, self.num_steps, self.weights = eps, num_steps, weights
+        self.autocast = autocast  # trainer.autocast: the head's linear layers in bf16, the losses in fp32
 
     def forward(self, batch: PackedBatch, normalisers: torch.Tensor, return_agreement: bool = False) -> tuple:
         """Returns (loss, stats [num_steps, len(STATS)]: sums over trained positions), and with return_agreement
@@ -89,7 +97,7 @@ class UnrolledHead(nn.Module):
         loss = torch.zeros((), device=device)
         chain = None  # [T_k] bool: the head agreed with the target at every step so far, per anchor
         agreement = []
-        for k, (step, out) in enumerate(unrolled_steps(head, batch, self.num_steps)):
+        for k, (step, out) in enumerate(unrolled_steps(head, batch, self.num_steps, self.autocast)):
             token_weight = batch.loss_mask[step.token_index].float()
             scale = w.step_decay**k / normalisers[k].clamp(min=1)
             kl_ce, step_stats, agree = distill_loss(head.final_norm(out.hidden_states), lm_head_weight,

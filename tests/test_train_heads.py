@@ -159,6 +159,45 @@ def test_a_wider_head_mlp_starts_as_the_target_layer_and_trains_its_new_units(st
         widen_mlp(state, 100, 0.02)
 
 
+@pytest.mark.parametrize("arch", ["mtp", "eagle3"])
+def test_autocast_trains_the_fp32_objective_with_bf16_matmuls_and_fp32_attention(stories_hf_dir, target, arch,
+                                                                                 monkeypatch):
+    """trainer.autocast: the unrolled loss and its gradients are the fp32 ones within bf16's precision (and not
+    bit-equal: the linear layers did run in bf16), while every attention call reads fp32. A control whose chain
+    attention runs in bf16 is seen by the same spy."""
+    import mtp_train.unroll as unroll  # noqa: PLC0415
+    from mtp_train.ttt import ChainAttention  # noqa: PLC0415
+
+    overrides = [f"head={arch}", "trainer.dtype=float32", "trainer.autocast=true"]
+    head = build_head(target, _cfg(stories_hf_dir, overrides).head, str(stories_hf_dir))
+    g = torch.Generator().manual_seed(0)
+    lens = [24, 16]
+    aux = torch.randn(40, 3, 64, generator=g) if arch == "eagle3" else None
+    batch = PackedBatch(torch.randint(0, 512, (40,), generator=g), torch.randn(40, 64, generator=g),
+                        torch.ones(40, dtype=torch.bool), lens, [0, 1], aux)
+    params = [p for p in head.parameters() if p.requires_grad]
+    attention_dtypes = []
+    sdpa = torch.nn.functional.scaled_dot_product_attention
+    monkeypatch.setattr(torch.nn.functional, "scaled_dot_product_attention",
+                        lambda q, *a, **k: attention_dtypes.append(q.dtype) or sdpa(q, *a, **k))
+
+    def loss_and_grad(autocast: bool) -> tuple[float, torch.Tensor]:
+        model = UnrolledHead(head, target.norm_weight, target.eps, 3, LossWeights(ce=1.0, tv=1.0), autocast=autocast)
+        loss, _ = model(batch, torch.tensor([38.0, 36.0, 34.0]))
+        return loss.item(), torch.cat([grad.flatten() for grad in torch.autograd.grad(loss, params)])
+
+    loss32, grad32 = loss_and_grad(False)
+    attention_dtypes.clear()
+    loss16, grad16 = loss_and_grad(True)
+    assert len(attention_dtypes) == 2 * 3 and set(attention_dtypes) == {torch.float32}  # records x steps
+    assert loss16 != loss32 and abs(loss16 - loss32) < 2e-3 * loss32
+    assert grad16.dtype == torch.float32 and torch.nn.functional.cosine_similarity(grad16, grad32, 0) > 0.999
+    attention_dtypes.clear()
+    monkeypatch.setattr(unroll, "ChainAttention", lambda dtype: ChainAttention(torch.bfloat16))  # control
+    loss_and_grad(True)
+    assert torch.bfloat16 in attention_dtypes
+
+
 @pytest.mark.parametrize("arch", ["mtp", "eagle1"])
 def test_exported_head_serves_the_trained_function(tmp_path, stories_hf_dir, target, stories_model, arch):
     cfg = _cfg(stories_hf_dir, [f"head={arch}"])
@@ -285,6 +324,7 @@ def test_deepseek_target_head_init_and_training_step(tmp_path):
     ("trainer.dtype=float16", "trainer.dtype must be one of bfloat16, float32, got 'float16'"),
     ("trainer.lr=-1", "trainer.lr must be >= 0.0, got -1.0"),
     ("trainer.max_steps=lots", "trainer.max_steps=lots: Value 'lots' of type 'str' could not be converted to Integer"),
+    ("trainer.autocast=true", "trainer.autocast .* needs trainer.dtype=float32, got bfloat16"),
 ])
 def test_bad_trainer_values_are_clear_errors(override, message):
     with pytest.raises(ConfigError, match=message):
