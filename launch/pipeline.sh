@@ -5,7 +5,8 @@
 #   3. precompute the target's features through infer/ (sharded safetensors + manifest), with the three layers an
 #      EAGLE-3 head fuses;
 #   4. train each head on the same features with DeepSpeed under torchrun (2 processes on CPU, gloo): TTT unroll
-#      of 4 steps, the recipe of conf/model/stories260k.yaml;
+#      of 4 steps, the recipe of conf/model/stories260k.yaml, fp32 weights with the linear layers in bf16
+#      (trainer.autocast: this CPU's bf16 matmuls are 4.5x faster, its bf16 attention slower);
 #   5. validate each in infer/ (speculative decoding on 64 held-out story openings x 128 tokens: conditional
 #      acceptance per position, tau, speedup, the trainer's per-step top-1 on the same text);
 #   6. export each head in the runtime format (EAGLE-3 also as eagle3 and speculators), with its recommended K;
@@ -26,6 +27,7 @@ HEADS=${HEADS:-mtp eagle3}     # heads to train on the same features: mtp, eagle
 NPROC=${NPROC:-2}              # torchrun processes
 K=${K:-4}                      # draft tokens per step when validating
 THREADS=${THREADS:-1}          # torch threads per process: tiny models run best on one
+AUTOCAST=${AUTOCAST:-true}     # heads' linear layers in bf16 (trainer.autocast); false on a CPU without bf16 matmuls
 export OMP_NUM_THREADS=$THREADS
 if ! command -v nvidia-smi >/dev/null 2>&1; then export DS_ACCELERATOR=cpu; fi
 start=$(date +%s)
@@ -73,7 +75,7 @@ for head in $HEADS; do
   RUN=$OUT/run-$head
   stamp "train the $head head ($NPROC processes)"
   NPROC_PER_NODE=$NPROC launch/train.sh model.path="$MODEL" features_dir="$OUT/features" data=stories260k \
-    head="$head" output_dir="$RUN" trainer.dtype=float32 trainer.progress=false trainer.eval_every=0 \
+    head="$head" output_dir="$RUN" trainer.dtype=float32 trainer.autocast="$AUTOCAST" trainer.progress=false trainer.eval_every=0 \
     validate.enabled=false "${steps[@]}"
   stamp "validate the $head head in infer/"
   python -m mtp_train.validate --target "$MODEL" --head "$RUN/head" --run-dir "$RUN" --out "$RUN/validation" \

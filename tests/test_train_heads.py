@@ -29,7 +29,7 @@ ROOT = Path(__file__).resolve().parents[1]
 
 # (trainable, decoder layer, projection, frozen shared), mtp head
 EXPECTED = {
-    "stories260k": (152_896, 144_512, 8_192, 32_768),  # the head MLP 4x the target's (model.head_intermediate_size)
+    "stories260k": (284_992, 276_608, 8_192, 32_768),  # the head MLP 8x the target's (model.head_intermediate_size)
     "llama3_2_1b": (69_216_256, 60_821_504, 8_388_608, 262_668_288),
     "llama3_1_8b": (251_678_720, 218_112_000, 33_554_432, 1_050_673_152),
     "llama3_1_70b": (989_896_704, 855_654_400, 134_217_728, 2_101_346_304),
