@@ -8,7 +8,7 @@
 #   - one run per output_dir: rank 0 holds output_dir/run.lock (a stale one, left by a killed run, is taken over).
 #
 #   launch/train.sh model=llama3_1_8b model.path=/models/Llama-3.1-8B-Instruct features_dir=/data/feat-8b
-#   NPROC_PER_NODE=2 launch/train.sh features_dir=DIR trainer.dtype=float32      # CPU: gloo, 2 processes
+#   NPROC_PER_NODE=2 launch/train.sh features_dir=DIR trainer.dtype=float32 trainer.autocast=true  # CPU: gloo, 2 processes
 #   # many nodes: run on every node with the same MASTER_ADDR (node 0's address) and its own NODE_RANK
 #   NNODES=4 NODE_RANK=$i MASTER_ADDR=node0 launch/train.sh model=llama3_1_70b trainer=zero3 ...
 #   # elastic rendezvous instead of fixed node ranks: RDZV=c10d (NODE_RANK is then assigned by torchrun)
