@@ -33,10 +33,11 @@ from infer.sampling_params import SamplingParams
 COST_CONTEXT = 32  # the fewest cached tokens behind the timed single forwards (engines are sized for at least this)
 
 
-def timing_headroom(k: int, decode_run_steps: int) -> int:
-    """Tokens a timing engine needs past a sequence's context: a verify forward's K+1 (and a draft LM's one more),
-    or the steps of a timed decode run (`Engine.forward_costs`)."""
-    return max(k + 2, decode_run_steps)
+def timing_context(tokens: int, k: int, decode_run_steps: int) -> int:
+    """The positions per sequence an engine that times forwards must hold: the longest context it runs (`tokens`,
+    at least COST_CONTEXT), then a verify forward's K+1 (and a draft LM's one more) or the steps of a timed decode
+    run (`Engine.forward_costs`)."""
+    return max(tokens, COST_CONTEXT) + max(k + 2, decode_run_steps)
 
 
 def cost_context(prompt_lens: Sequence[int], max_new_tokens: int) -> int:
@@ -175,7 +176,7 @@ def timing_engines(spec: Engine, batch_sizes: Sequence[int], longest_prompt: int
     tokens (and for the forward costs). Built apart from the measurement: under tensor parallelism every rank builds
     them (rank 0 alone then times them)."""
     k = spec.num_draft_tokens
-    context = max(longest_prompt + TIMING_TOKENS, COST_CONTEXT) + timing_headroom(k, spec.config.decode_run_steps)
+    context = timing_context(longest_prompt + TIMING_TOKENS, k, spec.config.decode_run_steps)
     sizes = dict(num_pages=max(batch_sizes) * pages_needed(context, spec.config.page_size) + 1,
                  max_num_seqs=max(batch_sizes))
     plain = spec.with_config(**sizes, num_draft_tokens=k)

@@ -52,7 +52,7 @@ from infer.loader import DTYPES, build_on_meta
 from infer.models.common import RMSNorm
 from infer.models.mtp_head import DraftHead, head_module
 from infer.parallel import ShardingError, TPGroup, divisors, sharding_over
-from infer.speedup import COST_CONTEXT, timing_headroom
+from infer.speedup import timing_context
 from mtp_train.config import compose_training
 from mtp_train.heads import head_config
 from mtp_train.target import target_config
@@ -197,8 +197,8 @@ def validation_terms(cfg: DictConfig, tp: int, dtype: torch.dtype, prompt_tokens
     served = Served.build(cfg, tp)
     page = EngineConfig().page_size
     n = prompt_tokens + v.max_new_tokens
-    extra = timing_headroom(v.num_draft_tokens, EngineConfig().decode_run_steps)
-    pages = v.batch_size * pages_needed(max(n, COST_CONTEXT) + extra, page) + 1  # as mtp_train.validate sizes them
+    longest = timing_context(n, v.num_draft_tokens, EngineConfig().decode_run_steps)
+    pages = v.batch_size * pages_needed(longest, page) + 1  # as mtp_train.validate sizes them
     kv = served.target.kv_bytes_per_token(dtype)
     heads = served.target.attention_dims()["num_heads"]
     return {

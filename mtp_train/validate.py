@@ -43,8 +43,8 @@ from infer.parallel import group_of, init_tp, on_rank0, serve_forever, tp_main, 
 from infer.prompts import VALIDATION_PROMPTS, read_prompt_file
 from infer.sampling_params import SamplingParams
 from infer.speedup import (
-    COST_CONTEXT, TIMING_TOKENS, Comparison, TimingEngines, compare, cost_context, ideal_speedup,
-    recommend_k_by_batch, timed_generate, timing_engines, timing_headroom,
+    TIMING_TOKENS, Comparison, TimingEngines, compare, cost_context, ideal_speedup,
+    recommend_k_by_batch, timed_generate, timing_context, timing_engines,
 )
 from mtp_train.data import PackedBatch, step_token_counts, unroll_plan
 from mtp_train.unroll import LossWeights, UnrolledHead, per_step_means
@@ -148,8 +148,7 @@ class ValidationEngines:
 
 def validation_engines(served: Engine, drafter: DraftHead, prompt_ids: list[list[int]], k: int, max_new_tokens: int,
                        batch_size: int, recommend_for: tuple[int, ...]) -> ValidationEngines:
-    longest = (max(max(map(len, prompt_ids)) + max_new_tokens, COST_CONTEXT)
-               + timing_headroom(k, served.config.decode_run_steps))
+    longest = timing_context(max(map(len, prompt_ids)) + max_new_tokens, k, served.config.decode_run_steps)
     sizes = dict(num_pages=batch_size * pages_needed(longest, served.config.page_size) + 1, max_num_seqs=batch_size,
                  num_draft_tokens=k)
     kind = DRAFTER_KINDS[drafter.config.architecture]

@@ -179,7 +179,7 @@ class Eagle3Head(DraftHead):
         emb = self.shared.embed_tokens(input_ids).to(dtype)
         cos, sin = self.rotary_emb.half_split(positions)
         x = self.layer(emb, hidden_states.to(dtype), cos, sin, attn, kv_caches[0])
-        return ModelOutput(self.compute_logits(x, None if attn.output_rows is not None else logits_indices), x)
+        return self.output(x, attn, logits_indices)
 
     def compute_logits(self, hidden_states: torch.Tensor, indices: torch.Tensor | None = None) -> torch.Tensor:
         """fp32 logits over the target's vocabulary: the draft vocabulary's, -inf everywhere else."""

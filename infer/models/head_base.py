@@ -13,7 +13,7 @@ import torch
 from torch import nn
 from transformers import DeepseekV2Config, LlamaConfig, PretrainedConfig
 
-from infer.models.common import final_logits
+from infer.models.common import ModelOutput, final_logits
 
 HEAD_FORMAT_VERSION = 1
 HIDDEN_STATES = ("pre_norm", "post_norm")  # which of the target's last-layer states the head reads (MTPHeadConfig)
@@ -131,6 +131,11 @@ class DraftHead(nn.Module):
 
     def compute_logits(self, hidden_states: torch.Tensor, indices: torch.Tensor | None = None) -> torch.Tensor:
         return final_logits(self.final_norm, self.shared.lm_head, hidden_states, indices)
+
+    def output(self, x: torch.Tensor, attn, logits_indices: torch.Tensor | None) -> ModelOutput:
+        """The layer's output x and its logits at logits_indices; after a last_query_only plan x holds the last rows
+        alone (attn.output_rows), and they are the rows scored."""
+        return ModelOutput(self.compute_logits(x, None if attn.output_rows is not None else logits_indices), x)
 
     # --- KV cache: one layer (Llama: K/V pages; DeepSeek-V2: latent and rope-key pages) ----------
     def allocate_kv_cache(self, num_pages: int, page_size: int, dtype: torch.dtype, device: torch.device) -> list:

@@ -113,7 +113,7 @@ class MTPHead(DraftHead):
         # Llama rotates half-split pairs, DeepSeek interleaved ones
         cos, sin = self.rotary_emb(positions) if self.mla else self.rotary_emb.half_split(positions)
         x = self.layer(x, cos, sin, attn, kv_caches[0])
-        return ModelOutput(self.compute_logits(x, None if attn.output_rows is not None else logits_indices), x)
+        return self.output(x, attn, logits_indices)
 
 
 def config_identity(config: dict) -> dict:
