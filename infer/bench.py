@@ -9,7 +9,8 @@ reported as a ratio. Without --spec: tokens/s of this runtime and of transformer
 prompts (greedy, fixed output length). With --spec: tokens/s with and without speculation, the speedup,
 tau (tokens per target step), and the ideal speedup predicted from the measured acceptance and the
 measured cost of a draft forward and a verify forward (`infer.speedup`), so that achieved / ideal is the share of
-the ideal the runtime's machinery keeps.
+the ideal the runtime's machinery keeps. The forwards are timed after each repeat's pair of runs; speedup, ideal and
+their ratio are medians over the repeats (each repeat against its own costs), tokens/s the fastest runs'.
 
 --tp T (under torchrun): every rank builds the same engines, each holding its shard; rank 0 measures and prints
 while the others run its steps. Without --spec the runtime alone is timed (transformers' model is not sharded).
@@ -33,7 +34,8 @@ from infer.loader import DTYPES
 from infer.parallel import attach_where_it_lives, current, init_tp, on_rank0, serve_forever, tp_main
 from infer.prompts import DEFAULT_PROMPTS, read_prompt_file
 from infer.sampling_params import SamplingParams
-from infer.speedup import StepOverhead, compare, cost_context, ideal_speedup, recommend_k, timed_generate
+from infer.speedup import (IdealShare, StepOverhead, compare, cost_context, recommend_k, timed_costs,
+                           timed_generate)
 
 
 def parse_ints(text: str, flag: str) -> list[int]:
@@ -121,22 +123,23 @@ def spec_row(plain: Engine, spec: Engine, batch: list[str], params: SamplingPara
     warm_up = SamplingParams(max_new_tokens=4, ignore_eos=True)
     timed_generate(plain, batch[:1], warm_up)
     timed_generate(spec, batch[:1], warm_up)
-    result = compare(plain, spec, batch, params, repeats)
+    measured, between = timed_costs(spec, len(batch), params.max_new_tokens)
+    result = compare(plain, spec, batch, params, repeats, between)
     k = spec.num_draft_tokens
     context = cost_context([len(r.prompt_ids) for r in result.plain.requests], params.max_new_tokens)
-    costs = spec.forward_costs(len(batch), context)
+    costs = ForwardCosts.fastest(measured)
     tau = result.stats["tau"]
-    ideal = ideal_speedup(tau, costs, k)
+    share = IdealShare.of(result, measured, k)
     return {
         "temperature": params.temperature, "batch_size": len(batch), "k": k,
         "plain_tok_s": round(result.plain.tok_s, 1), "spec_tok_s": round(result.spec.tok_s, 1),
-        "speedup": round(result.speedup, 3), "tau": tau,
+        "speedup": round(share.speedup, 3), "tau": tau,
         # a batch's requests accept differently: the last ones run steps of a shrinking batch that the ideal (every
         # step a full batch at the mean tau) does not count; steps_at_tau is what it counts
         "spec_steps": result.spec.steps, "steps_at_tau": 1 + math.ceil((params.max_new_tokens - 1) / tau),
         "acceptance_per_position": result.stats["acceptance_per_position"],
         "conditional_acceptance": result.stats["conditional_acceptance"],
-        "ideal_speedup": round(ideal, 3), "achieved_over_ideal": round(result.speedup / ideal, 3),
+        "ideal_speedup": round(share.ideal, 3), "achieved_over_ideal": round(share.achieved_over_ideal, 3),
         "cost_context": context, "t_decode_ms": round(costs.decode * 1e3, 3), "t_draft_ms": round(costs.draft * 1e3, 3),
         "t_verify_ms": round(costs.verify * 1e3, 3),
     }

@@ -46,7 +46,7 @@ from torch import Tensor
 from infer.kv_cache import DecodeSteps, PageMetadata, PageTable, build_page_metadata
 from infer.model_runner import ModelRunner
 from infer.models.common import ModelOutput
-from infer.rejection_sampler import greedy_verify, rejection_sample
+from infer.rejection_sampler import greedy_accept, greedy_verify, rejection_sample
 from infer.sampler import SamplingTensors, sample, target_probs
 
 
@@ -175,7 +175,8 @@ class Drafter:
         self._states.pop(request_id, None)
 
     def target_features(self, out: ModelOutput) -> Tensor:
-        """[T, H] what the drafter reads from a target forward at each of its positions (catch-up's hidden)."""
+        """[T, H] what the drafter reads from a target forward at each of its positions (catch-up's hidden); called
+        in the engine step's inference mode."""
         return out.hidden_states
 
     # --- forwards ---------------------------------------------------------------------------------
@@ -196,17 +197,20 @@ class Drafter:
                 first, hidden = target_hidden[seq.request_id]
                 hidden_rows.append(hidden[start - first : end - first])
         q_lens = [end - start for _, start, end in spans]
-        # [B] each span's last row in the packed batch
-        last_rows = torch.tensor([row - 1 for row in itertools.accumulate(q_lens)], device=self.device)
+        # [B] each span's last row in the packed batch: the rows a draft LM scores (a last_query_only head computes
+        # those rows alone, or, when every span is one row, every row)
+        last_rows = None if self.last_query_only else torch.tensor(
+            [row - 1 for row in itertools.accumulate(q_lens)], device=self.device)
         meta = build_page_metadata([s.page_table.pages for s, _, _ in spans], q_lens, [end for _, _, end in spans],
                                    self.page_size, self.device)
         meta.last_query_only = self.last_query_only
-        out = self._run(torch.tensor(input_ids, dtype=torch.long, device=self.device), meta, last_rows,
-                        torch.cat(hidden_rows) if hidden_rows else None)
+        hidden_in = None
+        if hidden_rows:
+            hidden_in = hidden_rows[0] if len(hidden_rows) == 1 else torch.cat(hidden_rows)
+        out = self._run(torch.tensor(input_ids, dtype=torch.long, device=self.device), meta, last_rows, hidden_in)
         carried = [None] * len(spans)
-        if self.needs_hidden_states:  # one gather and one unbind, not two indexing ops per request
-            hidden = out.hidden_states  # [T, H], or [B, H] when the layer computed the last rows alone
-            carried = (hidden if hidden.shape[0] == len(spans) else hidden[last_rows]).unbind()
+        if self.needs_hidden_states:  # [B, H]: a last_query_only head's last rows; one unbind, not B indexing ops
+            carried = out.hidden_states.unbind()
         for (seq, _, end), logits, hidden in zip(spans, out.logits.unbind(), carried):
             self._states[seq.request_id] = DraftState(end, logits, hidden)
 
@@ -253,7 +257,6 @@ class MTPDrafter(Drafter):
     needs_hidden_states = True
     last_query_only = True
 
-    @torch.inference_mode()
     def target_features(self, out: ModelOutput) -> Tensor:
         return self.runner.model.features(out.hidden_states)  # h_i, through the target's norm for post_norm heads
 
@@ -296,7 +299,6 @@ class Eagle3Drafter(MTPDrafter):
         super().__init__(model, num_pages, page_size, backend)
         self.target_aux_layers = tuple(model.target_aux_layers)
 
-    @torch.inference_mode()
     def target_features(self, out: ModelOutput) -> Tensor:
         aux = torch.stack([out.aux_hidden_states[layer] for layer in self.target_aux_layers], dim=1)  # [T, 3, H]
         return self.runner.model.features(out.hidden_states, aux.to(self.runner.dtype))
@@ -336,6 +338,9 @@ def speculative_decode(
     out = target_forward(verify_ids)
     target_logits = out.logits.view(batch, k + 1, -1)  # [B, K+1, V]
     hidden = out.hidden_states.view(batch, k + 1, -1)  # [B, K+1, H]
+    if draft_probs is None and catch_up == "accepted":  # only the host reads the outcome: cut it there
+        rows = greedy_accept(draft_ids, target_logits.argmax(-1))
+        return SpecOutput(rows, hidden, draft_time, time.perf_counter() - start, caught_up=False)
     if draft_probs is None:
         emitted, num_emitted = greedy_verify(draft_ids, target_logits.argmax(-1))
     else:

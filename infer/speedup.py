@@ -2,12 +2,14 @@
 
 Both `python -m infer.bench --spec` and `mtp_train.validate` measure with these two functions:
   - `compare`: plain and speculative engines on the same prompts and sampling parameters, interleaved run by run
-    (so a burst of load on a shared machine hits both), the fastest of `repeats` counting;
+    (so a burst of load on a shared machine hits both), the fastest of `repeats` giving the tokens/s, and the forward
+    costs timed after each pair of runs (`timed_costs`);
   - `ideal_speedup`: what the measured tau and forward costs allow, with nothing lost to the machinery:
 
         ideal = tau * t(decode) / (K * t(draft) + t(verify over K+1))
 
-    so that achieved / ideal is the share of the ideal the runtime keeps;
+    so that achieved / ideal is the share of the ideal the runtime keeps (`IdealShare`: the median over repeats of
+    each repeat's speedup over its own ideal);
   - `recommend_k`: the chain length K that maximises the predicted speedup at a batch size, from the conditional
     acceptance per draft position (measured once at the largest K: chain drafting is the same up to any smaller K),
     the measured cost of a draft forward and of the verify forward at each K, and each step's measured overhead o:
@@ -22,8 +24,9 @@ Both `python -m infer.bench --spec` and `mtp_train.validate` measure with these 
 
 from __future__ import annotations
 
+import statistics
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
 from infer.engine import Engine, ForwardCosts, Request
@@ -74,23 +77,66 @@ class Comparison:
     plain: Timed  # the fastest plain run
     spec: Timed  # the fastest speculative run
     stats: dict  # the speculative engine's SpecStats over the timed runs
+    pairs: list[tuple[Timed, Timed]]  # each repeat's plain and speculative runs, back to back
 
     @property
     def speedup(self) -> float:
+        """The fastest runs' tokens/s ratio."""
         return self.spec.tok_s / self.plain.tok_s
 
 
+@dataclass
+class IdealShare:
+    """Medians over a comparison's repeats, each repeat priced by the forward costs timed right after it: a
+    repeat's runs and its costs meet the machine at the same speed, where the fastest run and the fastest cost
+    may come from different spells (this machine drifts by a third over minutes)."""
+
+    speedup: float  # speculative over plain tokens/s
+    ideal: float  # ideal_speedup at the repeat's forward costs
+    achieved_over_ideal: float
+
+    @classmethod
+    def of(cls, result: Comparison, costs: Sequence[ForwardCosts], k: int) -> "IdealShare":
+        """costs[i]: timed after result.pairs[i] (`timed_costs`)."""
+        if len(costs) != len(result.pairs):
+            raise ValueError(f"{len(costs)} forward-cost measurements for {len(result.pairs)} repeats")
+        tau = result.stats["tau"]
+        speedups = [spec.tok_s / plain.tok_s for plain, spec in result.pairs]
+        ideals = [ideal_speedup(tau, c, k) for c in costs]
+        return cls(statistics.median(speedups), statistics.median(ideals),
+                   statistics.median(s / i for s, i in zip(speedups, ideals)))
+
+
 def compare(plain: Engine, spec: Engine, prompts: Sequence, params: SamplingParams | Sequence[SamplingParams],
-            repeats: int) -> Comparison:
-    """Interleaved timed runs of both engines. Speculation statistics are one timed run's: the repeats replay the
-    same seeded requests, so counting them all would shrink the standard errors without new evidence."""
+            repeats: int, between: Callable[[Timed], None] | None = None) -> Comparison:
+    """Interleaved timed runs of both engines; `between(plain run)` after each pair (the forward costs, timed
+    within the same seconds as the runs: this machine's speed drifts by a third over minutes). Speculation
+    statistics are one timed run's: the repeats replay the same seeded requests, so counting them all would shrink
+    the standard errors without new evidence."""
     plain_runs, spec_runs = [], []
     for _ in range(repeats):
         plain_runs.append(timed_generate(plain, prompts, params))
         spec.reset_spec_stats()
         spec_runs.append(timed_generate(spec, prompts, params))
+        if between is not None:
+            between(plain_runs[-1])
     fastest = lambda runs: min(runs, key=lambda run: run.seconds)  # noqa: E731
-    return Comparison(fastest(plain_runs), fastest(spec_runs), spec.spec_stats.to_dict())
+    return Comparison(fastest(plain_runs), fastest(spec_runs), spec.spec_stats.to_dict(),
+                      list(zip(plain_runs, spec_runs)))
+
+
+def timed_costs(spec: Engine, batch_size: int, max_new_tokens: int, repeats: int = 3,
+                ) -> tuple[list[ForwardCosts], Callable[[Timed], None]]:
+    """A `compare(between=...)` that times the forward costs after each pair of runs, at the runs' mean context
+    (`cost_context`), into the list it returns: `IdealShare.of` prices each repeat by its own, `ForwardCosts.fastest`
+    of them is the costs to report."""
+    measured: list[ForwardCosts] = []
+
+    def between(run: Timed) -> None:
+        context = cost_context([len(r.prompt_ids) for r in run.requests], max_new_tokens)
+        measured.append(spec.forward_costs(batch_size, context, repeats))
+
+    return measured, between
 
 
 def ideal_speedup(tau: float, costs: ForwardCosts, k: int) -> float:

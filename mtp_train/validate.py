@@ -43,8 +43,8 @@ from infer.parallel import group_of, init_tp, on_rank0, serve_forever, tp_main, 
 from infer.prompts import VALIDATION_PROMPTS, read_prompt_file
 from infer.sampling_params import SamplingParams
 from infer.speedup import (
-    TIMING_TOKENS, Comparison, TimingEngines, compare, cost_context, ideal_speedup,
-    recommend_k_by_batch, timed_generate, timing_context, timing_engines,
+    TIMING_TOKENS, Comparison, IdealShare, TimingEngines, compare, cost_context,
+    recommend_k_by_batch, timed_costs, timed_generate, timing_context, timing_engines,
 )
 from mtp_train.data import PackedBatch, step_token_counts, unroll_plan
 from mtp_train.unroll import LossWeights, UnrolledHead, per_step_means
@@ -173,15 +173,16 @@ def measure(engines: ValidationEngines, prompt_ids: list[list[int]], k: int, tem
     warm_up = [SamplingParams(max_new_tokens=min(max_new_tokens, k + 4), ignore_eos=True)] * len(prompt_ids)
     timed_generate(plain, prompt_ids, warm_up)  # the batch's prefill shapes, and a few speculative steps
     timed_generate(spec, prompt_ids, warm_up)
-    comparisons = {float(t): compare(plain, spec, prompt_ids, sampling_params(t, max_new_tokens, seed,
-                                                                              len(prompt_ids)), repeats)
-                   for t in temperatures}
-    runs = [run_record(t, max_new_tokens, result) for t, result in comparisons.items()]
+    comparisons, runs, all_costs = {}, [], []
+    for t in temperatures:
+        measured, between = timed_costs(spec, min(plain.config.max_num_seqs, len(prompt_ids)), max_new_tokens)
+        result = comparisons[float(t)] = compare(plain, spec, prompt_ids,
+                                                 sampling_params(t, max_new_tokens, seed, len(prompt_ids)), repeats,
+                                                 between)
+        runs.append(run_record(t, max_new_tokens, result, IdealShare.of(result, measured, k)))
+        all_costs += measured
     context = cost_context(map(len, prompt_ids), max_new_tokens)
-    costs = spec.forward_costs(min(plain.config.max_num_seqs, len(prompt_ids)), context)
-    for run in runs:
-        run["ideal_speedup"] = round(ideal_speedup(run["tau"], costs, k), 3)
-        run["achieved_over_ideal"] = round(run["speedup"] / run["ideal_speedup"], 3) if run["ideal_speedup"] else None
+    costs = ForwardCosts.fastest(all_costs)
     basis = greedy_run(runs) or runs[0] if runs else None
     recommended = {}
     if engines.timing is not None and basis:
@@ -218,7 +219,7 @@ def validate_head(
     (or the first run's); () skips it.
     """
     start = time.perf_counter()
-    check_arguments(k, max_new_tokens, batch_size, repeats)
+    check_arguments(k, max_new_tokens, batch_size, repeats, temperatures)
     served = target if isinstance(target, Engine) else Engine.from_pretrained(target, dtype=dtype, device=str(device))
     model = served.model
     drafter = serving_head(head, model)
@@ -265,7 +266,9 @@ def validate_head(
     }
 
 
-def check_arguments(k: int, max_new_tokens: int, batch_size: int, repeats: int) -> None:
+def check_arguments(k: int, max_new_tokens: int, batch_size: int, repeats: int, temperatures: tuple[float, ...]) -> None:
+    if not temperatures:
+        raise ValueError("no temperature to validate at: give at least one (e.g. 0 for greedy)")
     if not 1 <= k <= 16:
         raise ValueError(f"k (draft tokens per step) must be in 1..16, got {k}")
     if max_new_tokens < 1 or batch_size < 1 or repeats < 1:
@@ -279,9 +282,9 @@ def sampling_params(temperature: float, max_new_tokens: int, seed: int, count: i
                            seed=seed + i) for i in range(count)]
 
 
-def run_record(temperature: float, max_new_tokens: int, result: Comparison) -> dict:
+def run_record(temperature: float, max_new_tokens: int, result: Comparison, share: IdealShare) -> dict:
     """One temperature's line of the report: conditional acceptance (and the unconditional share, labelled so),
-    tau and the timed speedup."""
+    tau, the timed speedup and its ideal (medians over the repeats, `IdealShare`)."""
     stats = result.stats
     return {
         "temperature": float(temperature), "max_new_tokens": max_new_tokens, "tau": stats["tau"],
@@ -290,7 +293,8 @@ def run_record(temperature: float, max_new_tokens: int, result: Comparison) -> d
         "unconditional_acceptance": stats["acceptance_per_position"],
         "accepted_length_histogram": stats["accepted_length_histogram"], "verify_steps": stats["verify_steps"],
         "plain_tok_s": round(result.plain.tok_s, 1), "spec_tok_s": round(result.spec.tok_s, 1),
-        "speedup": round(result.speedup, 3),
+        "speedup": round(share.speedup, 3), "ideal_speedup": round(share.ideal, 3),
+        "achieved_over_ideal": round(share.achieved_over_ideal, 3),
         "draft_time_s": stats["draft_time_s"], "verify_time_s": stats["verify_time_s"],
     }
 

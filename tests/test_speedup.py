@@ -11,8 +11,8 @@ from infer.models.mtp_head import read_head_config
 from infer.sampling_params import SamplingParams
 from infer.speculative import SpecStats
 from infer.speedup import (
-    COST_CONTEXT, StepOverhead, compare, cost_context, ideal_speedup, predicted_speedup, predicted_tau, recommend_k,
-    timed_generate,
+    COST_CONTEXT, Comparison, IdealShare, StepOverhead, Timed, compare, cost_context, ideal_speedup, predicted_speedup,
+    predicted_tau, recommend_k, timed_costs, timed_generate,
 )
 from mtp_train.export import export_head, main
 
@@ -45,6 +45,31 @@ def test_recommend_k_maximises_the_predicted_speedup():
     assert ideal_speedup(predicted_tau([1.0] * 4, 4), ForwardCosts(1.0, 0.0, 1.0), 4) == pytest.approx(5.0)
     with pytest.raises(ValueError, match="covered by acceptance measured at 1 positions"):
         recommend_k([0.5], {2: costs[2]})
+
+
+def test_ideal_share_prices_each_repeat_by_its_own_forward_costs():
+    """The machine drifts: a repeat run 1.5x slower has 1.5x slower runs and forwards. Each repeat keeps 0.8 of its
+    ideal, and so does their median; mixing the fastest runs with the fastest costs of another spell does not."""
+    tau, k = 3.0, 4
+    base = ForwardCosts(decode=1.0, draft=0.2, verify=1.4)  # ideal = 3 * 1 / 2.2
+    pairs, costs = [], []
+    for slow in (1.0, 1.5, 1.2):
+        c = ForwardCosts(base.decode * slow, base.draft * slow, base.verify * slow)
+        spec_tok_s = 100 * 0.8 * ideal_speedup(tau, c, k)
+        pairs.append((Timed(100 * slow, 100 * 100, [], 100), Timed(100 * slow * 100 / spec_tok_s, 100 * 100, [], 34)))
+        costs.append(c)
+    # a spell that slowed the forwards alone after the second repeat: the fastest costs are the slow spell's
+    costs[2] = ForwardCosts(base.decode * 0.7, base.draft * 1.2, base.verify * 1.2)
+    result = Comparison(min((p for p, _ in pairs), key=lambda r: r.seconds),
+                        min((s for _, s in pairs), key=lambda r: r.seconds), {"tau": tau}, pairs)
+    share = IdealShare.of(result, costs, k)
+    assert share.achieved_over_ideal == pytest.approx(0.8)
+    assert share.speedup == pytest.approx(0.8 * ideal_speedup(tau, base, k))
+    mixed = result.speedup / ideal_speedup(tau, ForwardCosts.fastest(costs), k)  # the broken control
+    assert abs(mixed - 0.8) > 0.1
+    assert ForwardCosts.fastest(costs) == ForwardCosts(0.7, 0.2, 1.4)
+    with pytest.raises(ValueError, match="2 forward-cost measurements for 3 repeats"):
+        IdealShare.of(result, costs[:2], k)
 
 
 def test_export_carries_the_reports_recommendation_and_generate_uses_it(tmp_path, stories_model):
@@ -95,6 +120,9 @@ def test_compare_counts_one_timed_runs_statistics(stories_model, stories_tokeniz
     prompts = [stories_tokenizer.encode("Once upon a time"), stories_tokenizer.encode("Lily had a dog")]
     params = SamplingParams(temperature=1.0, max_new_tokens=10, ignore_eos=True, seed=3)
     once, thrice = compare(plain, spec, prompts, params, 1).stats, compare(plain, spec, prompts, params, 3).stats
+    measured, between = timed_costs(spec, len(prompts), params.max_new_tokens, repeats=1)
+    result = compare(plain, spec, prompts, params, 2, between)
+    assert len(result.pairs) == len(measured) == 2 and all(c.verify > 0 for c in measured)
     assert once["verify_steps"] > 0
     assert thrice["verify_steps"] == once["verify_steps"]
     assert thrice["conditional_acceptance_se"] == once["conditional_acceptance_se"]
