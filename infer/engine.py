@@ -553,8 +553,9 @@ class Engine:
         All three are timed alike: the fastest of `repeats` bursts of `decode_run_steps` forwards, each burst's mean
         (a plain decode burst is a decode run, its plan paid once, as the engine runs it; a draft or verify burst
         repeats one forward). One forward's fastest time sits below the mean that successive forwards keep
-        (stories260K, batch 1, back to back: verify and draft forwards average 1.10x and 1.11x their fastest), so timing draft and
-        verify singly while decode is a run's mean would price speculation's forwards low against plain decoding's.
+        (stories260K, batch 1, back to back: verify and draft forwards average 1.10x and 1.11x their fastest), so
+        timing draft and verify singly while decode is a run's mean would price speculation's forwards low against
+        plain decoding's.
         """
         if self.drafter is None:
             raise RuntimeError("forward costs of speculation need a drafter attached")

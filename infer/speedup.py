@@ -79,11 +79,6 @@ class Comparison:
     stats: dict  # the speculative engine's SpecStats over the timed runs
     pairs: list[tuple[Timed, Timed]]  # each repeat's plain and speculative runs, back to back
 
-    @property
-    def speedup(self) -> float:
-        """The fastest runs' tokens/s ratio."""
-        return self.spec.tok_s / self.plain.tok_s
-
 
 @dataclass
 class IdealShare:
@@ -125,8 +120,8 @@ def compare(plain: Engine, spec: Engine, prompts: Sequence, params: SamplingPara
                       list(zip(plain_runs, spec_runs)))
 
 
-def timed_costs(spec: Engine, batch_size: int, max_new_tokens: int, repeats: int = 3,
-                ) -> tuple[list[ForwardCosts], Callable[[Timed], None]]:
+def timed_costs(spec: Engine, batch_size: int, max_new_tokens: int,
+                repeats: int = 3) -> tuple[list[ForwardCosts], Callable[[Timed], None]]:
     """A `compare(between=...)` that times the forward costs after each pair of runs, at the runs' mean context
     (`cost_context`), into the list it returns: `IdealShare.of` prices each repeat by its own, `ForwardCosts.fastest`
     of them is the costs to report."""

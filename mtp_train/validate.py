@@ -266,7 +266,8 @@ def validate_head(
     }
 
 
-def check_arguments(k: int, max_new_tokens: int, batch_size: int, repeats: int, temperatures: tuple[float, ...]) -> None:
+def check_arguments(k: int, max_new_tokens: int, batch_size: int, repeats: int,
+                    temperatures: tuple[float, ...]) -> None:
     if not temperatures:
         raise ValueError("no temperature to validate at: give at least one (e.g. 0 for greedy)")
     if not 1 <= k <= 16:
