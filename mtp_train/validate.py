@@ -62,7 +62,7 @@ def serving_head(head: str | Path | DraftHead, model: nn.Module) -> DraftHead:
 
 # --- the trainer's figures on the runtime's text -----------------------------------------------------------------
 @torch.no_grad()
-def target_features(model: nn.Module, token_ids: list[list[int]], aux_layers: tuple[int, ...]) -> ModelOutput:
+def packed_target_forward(model: nn.Module, token_ids: list[list[int]], aux_layers: tuple[int, ...]) -> ModelOutput:
     """The target over packed sequences with no KV cache: hidden states (and aux layers) at every position."""
     device = next(model.parameters()).device
     lens = [len(ids) for ids in token_ids]
@@ -83,7 +83,7 @@ def trainer_replay(model: nn.Module, head: DraftHead, sequences: list[list[int]]
                        prompt, then each one accepted drafts + 1 further. On a greedy text an accepted chain feeds the
                        drafter what the trainer feeds, so this is the runtime's conditional acceptance recomputed by
                        the trainer (drafts past the text's end are not counted)."""
-    out = target_features(model, sequences, head.target_aux_layers)
+    out = packed_target_forward(model, sequences, head.target_aux_layers)
     aux = (torch.stack([out.aux_hidden_states[i] for i in head.target_aux_layers], dim=1)
            if head.target_aux_layers else None)
     device = out.hidden_states.device
