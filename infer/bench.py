@@ -11,6 +11,10 @@ tau (tokens per target step), and the ideal speedup predicted from the measured 
 measured cost of a draft forward and a verify forward (`infer.speedup`), so that achieved / ideal is the share of
 the ideal the runtime's machinery keeps. The forwards are timed after each repeat's pair of runs; speedup, ideal and
 their ratio are medians over the repeats (each repeat against its own costs), tokens/s the fastest runs'.
+On a CPU a row also splits a step of the fastest runs into its model forwards and the host work around them
+(plain_host_ms, spec_forward_ms, spec_host_ms, per step): the host work is all the ideal leaves out, and
+spec_forward_ms against K * t_draft + t_verify is what the forwards lose inside a step (the first draft is the
+catch-up over the accepted tokens, the verify's keys pad to the batch's longest).
 
 --tp T (under torchrun): every rank builds the same engines, each holding its shard; rank 0 measures and prints
 while the others run its steps. Without --spec the runtime alone is timed (transformers' model is not sharded).
@@ -34,7 +38,7 @@ from infer.loader import DTYPES
 from infer.parallel import attach_where_it_lives, current, init_tp, on_rank0, serve_forever, tp_main
 from infer.prompts import DEFAULT_PROMPTS, read_prompt_file
 from infer.sampling_params import SamplingParams
-from infer.speedup import (IdealShare, StepOverhead, compare, cost_context, recommend_k, timed_costs,
+from infer.speedup import (IdealShare, StepOverhead, Timed, compare, cost_context, recommend_k, timed_costs,
                            timed_generate)
 
 
@@ -142,7 +146,17 @@ def spec_row(plain: Engine, spec: Engine, batch: list[str], params: SamplingPara
         "ideal_speedup": round(share.ideal, 3), "achieved_over_ideal": round(share.achieved_over_ideal, 3),
         "cost_context": context, "t_decode_ms": round(costs.decode * 1e3, 3), "t_draft_ms": round(costs.draft * 1e3, 3),
         "t_verify_ms": round(costs.verify * 1e3, 3),
+        **step_split(spec, result.plain, result.spec),
     }
+
+
+def step_split(engine: Engine, plain: Timed, spec: Timed) -> dict:
+    """A step of the fastest runs split into the model forwards and the host work around them, on a CPU (a GPU's
+    forwards return at launch: None there)."""
+    split = {"plain_host_ms": plain.host_ms_per_step, "spec_forward_ms": spec.forward_ms_per_step,
+             "spec_host_ms": spec.host_ms_per_step}
+    on_cpu = engine.device.type == "cpu"
+    return {name: round(ms, 3) if on_cpu else None for name, ms in split.items()}
 
 
 def bench_spec(args, prompts: list[str]) -> list[dict | None]:

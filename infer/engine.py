@@ -209,6 +209,12 @@ class Engine:
         self.drafter = DRAFTERS[kind](model, self.pool.num_pages, self.config.page_size, self.config.backend)
         self.reset_spec_stats()
 
+    @property
+    def forward_s(self) -> float:
+        """Seconds in the target's and the drafter's forwards so far (`ModelRunner.forward_s`: on a GPU, only the
+        launches)."""
+        return self.runner.forward_s + (self.drafter.runner.forward_s if self.drafter is not None else 0.0)
+
     def reset_spec_stats(self) -> None:
         """Count speculation afresh from here (e.g. after a warm-up run)."""
         self.spec_stats = SpecStats(self.num_draft_tokens) if self.drafter else None

@@ -13,6 +13,8 @@ machinery is a sixth of a decode step.
 
 from __future__ import annotations
 
+import time
+
 import torch
 
 from infer.attention import FlashInferAttention, TorchAttention, resolve_backend_name
@@ -72,6 +74,9 @@ class ModelRunner:
             self.attn = TorchAttention()
         self.tp = group_of(model)
         self.runner_id = register_runner(self) if self.tp.size > 1 else None  # the same on every rank
+        # seconds this rank has spent in `run` (a forward and its broadcast): on a CPU the forwards' time, on a GPU
+        # only their launches (the kernels run on), so a step's host work is its time less this on a CPU alone
+        self.forward_s = 0.0
 
     def run(
         self,
@@ -87,9 +92,12 @@ class ModelRunner:
         if not torch.is_inference_mode_enabled():
             with torch.inference_mode():
                 return self.run(input_ids, meta, logits_indices, **model_inputs)
+        start = time.perf_counter()
         if self.runner_id is not None:
             broadcast_step(self.tp, self.runner_id, input_ids, meta, logits_indices, model_inputs)
-        return self.forward(input_ids, meta, logits_indices, **model_inputs)
+        out = self.forward(input_ids, meta, logits_indices, **model_inputs)
+        self.forward_s += time.perf_counter() - start
+        return out
 
     def forward(
         self,

@@ -58,18 +58,28 @@ class Timed:
     tokens: int  # generated tokens
     requests: list[Request]
     steps: int  # engine steps
+    forward_s: float = 0.0  # of `seconds`, in model forwards (`Engine.forward_s`: a CPU figure)
 
     @property
     def tok_s(self) -> float:
         return self.tokens / self.seconds
 
+    @property
+    def forward_ms_per_step(self) -> float:
+        return 1e3 * self.forward_s / self.steps
+
+    @property
+    def host_ms_per_step(self) -> float:
+        """A step's time outside the model forwards: scheduling, page metadata, sampling, acceptance, bookkeeping."""
+        return 1e3 * (self.seconds - self.forward_s) / self.steps
+
 
 def timed_generate(engine: Engine, prompts: Sequence, params: SamplingParams | Sequence[SamplingParams]) -> Timed:
     """One batch run to completion."""
-    start, steps = time.perf_counter(), engine.num_steps
+    start, steps, forward_s = time.perf_counter(), engine.num_steps, engine.forward_s
     requests = engine.generate(prompts, params)
     return Timed(time.perf_counter() - start, sum(len(r.output_ids) for r in requests), requests,
-                 engine.num_steps - steps)
+                 engine.num_steps - steps, engine.forward_s - forward_s)
 
 
 @dataclass

@@ -3,10 +3,12 @@
 from __future__ import annotations
 
 import json
+import time
 
 import pytest
 
 from infer.engine import Engine, EngineConfig, ForwardCosts
+from infer.model_runner import ModelRunner
 from infer.models.mtp_head import read_head_config
 from infer.sampling_params import SamplingParams
 from infer.speculative import SpecStats
@@ -137,3 +139,32 @@ def test_forward_costs_are_priced_at_the_timed_runs_mean_context(stories_model, 
     plain = timed_generate(Engine(stories_model, stories_tokenizer, [2], EngineConfig(num_pages=64)), [[1, 403, 407]],
                            SamplingParams(max_new_tokens=9, ignore_eos=True))
     assert plain.steps == 9 and plain.tokens == 9  # the prefill emits the first token, then one decode step each
+
+
+def test_a_timed_run_splits_its_steps_into_forwards_and_host_work(stories_model, stories_tokenizer, monkeypatch):
+    """Timed.forward_s is the time in both models' forwards, the rest of the run is host work: with every forward
+    slowed by a known sleep (the drafter's 10 ms, far above the target's whole compute), the forwards hold all the
+    sleeps, and the target's forwards alone (the broken control) would leave the drafter's sleeps in the host work."""
+    config = EngineConfig(num_draft_tokens=2, backend="torch", page_size=8, num_pages=64)
+    spec = Engine(stories_model, stories_tokenizer, [2], config)
+    spec.attach_drafter("draft", stories_model)
+    slept = {id(spec.runner): 0.0, id(spec.drafter.runner): 0.0}
+    forward = ModelRunner.forward
+
+    def slow_forward(self, *args, **kwargs):
+        out = forward(self, *args, **kwargs)
+        pause = 0.010 if self is spec.drafter.runner else 0.001
+        time.sleep(pause)
+        slept[id(self)] += pause
+        return out
+
+    monkeypatch.setattr(ModelRunner, "forward", slow_forward)
+    target_before = spec.runner.forward_s
+    run = timed_generate(spec, [[1, 403, 407], [1, 500]], SamplingParams(max_new_tokens=12, ignore_eos=True))
+    target_only = spec.runner.forward_s - target_before
+    drafter_slept = slept[id(spec.drafter.runner)]
+    assert drafter_slept >= 0.05 and slept[id(spec.runner)] > 0
+    assert sum(slept.values()) <= run.forward_s < run.seconds
+    assert target_only < sum(slept.values()) - drafter_slept / 2  # the control misses the drafter's forwards
+    assert run.host_ms_per_step == pytest.approx(1e3 * (run.seconds - run.forward_s) / run.steps)
+    assert run.forward_ms_per_step + run.host_ms_per_step == pytest.approx(1e3 * run.seconds / run.steps)

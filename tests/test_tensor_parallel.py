@@ -314,6 +314,8 @@ def test_bench_cli_with_tp_matches_one_process(session, stories_hf_dir, head_dir
         assert arrivals["latency_ratio"] == pytest.approx(arrivals["spec_latency_ms"] / arrivals["plain_latency_ms"],
                                                           abs=1e-3) and arrivals["plain_latency_ms"] > 0
     assert [r["recommended_k"] for r in two["recommendations"]] == [r["recommended_k"] for r in one["recommendations"]]
+    for result in (one, two):  # a CPU row splits the fastest runs' steps into forwards and host work
+        assert all(r[name] > 0 for r in result["rows"] for name in ("plain_host_ms", "spec_forward_ms", "spec_host_ms"))
 
 
 def test_validate_cli_with_tp_matches_one_process(session, session_dir, stories_hf_dir, head_dir, tmp_path, capsys):
