@@ -38,7 +38,7 @@ from infer.loader import DTYPES
 from infer.parallel import attach_where_it_lives, current, init_tp, on_rank0, serve_forever, tp_main
 from infer.prompts import DEFAULT_PROMPTS, read_prompt_file
 from infer.sampling_params import SamplingParams
-from infer.speedup import (IdealShare, StepOverhead, Timed, compare, cost_context, recommend_k, timed_costs,
+from infer.speedup import (IdealShare, StepOverhead, compare, cost_context, recommend_k, timed_costs,
                            timed_generate)
 
 
@@ -146,17 +146,8 @@ def spec_row(plain: Engine, spec: Engine, batch: list[str], params: SamplingPara
         "ideal_speedup": round(share.ideal, 3), "achieved_over_ideal": round(share.achieved_over_ideal, 3),
         "cost_context": context, "t_decode_ms": round(costs.decode * 1e3, 3), "t_draft_ms": round(costs.draft * 1e3, 3),
         "t_verify_ms": round(costs.verify * 1e3, 3),
-        **step_split(spec, result.plain, result.spec),
+        **result.step_split(),
     }
-
-
-def step_split(engine: Engine, plain: Timed, spec: Timed) -> dict:
-    """A step of the fastest runs split into the model forwards and the host work around them, on a CPU (a GPU's
-    forwards return at launch: None there)."""
-    split = {"plain_host_ms": plain.host_ms_per_step, "spec_forward_ms": spec.forward_ms_per_step,
-             "spec_host_ms": spec.host_ms_per_step}
-    on_cpu = engine.device.type == "cpu"
-    return {name: round(ms, 3) if on_cpu else None for name, ms in split.items()}
 
 
 def bench_spec(args, prompts: list[str]) -> list[dict | None]:

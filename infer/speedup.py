@@ -88,6 +88,16 @@ class Comparison:
     spec: Timed  # the fastest speculative run
     stats: dict  # the speculative engine's SpecStats over the timed runs
     pairs: list[tuple[Timed, Timed]]  # each repeat's plain and speculative runs, back to back
+    on_cpu: bool = True  # the engines' device: their forwards' time is a CPU figure (`step_split`)
+
+    def step_split(self) -> dict[str, float | None]:
+        """The fastest runs' steps split into model forwards and the host work around them, ms per step: the host
+        work is all the ideal leaves out, and the forwards against K * t_draft + t_verify are what a step's forwards
+        lose (the first draft is the catch-up over the accepted tokens; verify keys pad to the batch's longest).
+        None on a GPU, whose forwards return at launch."""
+        split = {"plain_host_ms": self.plain.host_ms_per_step, "spec_forward_ms": self.spec.forward_ms_per_step,
+                 "spec_host_ms": self.spec.host_ms_per_step}
+        return {name: round(ms, 3) if self.on_cpu else None for name, ms in split.items()}
 
 
 @dataclass
@@ -127,7 +137,7 @@ def compare(plain: Engine, spec: Engine, prompts: Sequence, params: SamplingPara
             between(plain_runs[-1])
     fastest = lambda runs: min(runs, key=lambda run: run.seconds)  # noqa: E731
     return Comparison(fastest(plain_runs), fastest(spec_runs), spec.spec_stats.to_dict(),
-                      list(zip(plain_runs, spec_runs)))
+                      list(zip(plain_runs, spec_runs)), spec.device.type == "cpu")
 
 
 def timed_costs(spec: Engine, batch_size: int, max_new_tokens: int,

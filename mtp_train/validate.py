@@ -285,7 +285,8 @@ def sampling_params(temperature: float, max_new_tokens: int, seed: int, count: i
 
 def run_record(temperature: float, max_new_tokens: int, result: Comparison, share: IdealShare) -> dict:
     """One temperature's line of the report: conditional acceptance (and the unconditional share, labelled so),
-    tau, the timed speedup and its ideal (medians over the repeats, `IdealShare`)."""
+    tau, the timed speedup and its ideal (medians over the repeats, `IdealShare`), the fastest runs' steps split
+    into forwards and host work (`Comparison.step_split`)."""
     stats = result.stats
     return {
         "temperature": float(temperature), "max_new_tokens": max_new_tokens, "tau": stats["tau"],
@@ -297,6 +298,7 @@ def run_record(temperature: float, max_new_tokens: int, result: Comparison, shar
         "speedup": round(share.speedup, 3), "ideal_speedup": round(share.ideal, 3),
         "achieved_over_ideal": round(share.achieved_over_ideal, 3),
         "draft_time_s": stats["draft_time_s"], "verify_time_s": stats["verify_time_s"],
+        **result.step_split(),
     }
 
 

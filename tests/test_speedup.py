@@ -168,3 +168,6 @@ def test_a_timed_run_splits_its_steps_into_forwards_and_host_work(stories_model,
     assert target_only < sum(slept.values()) - drafter_slept / 2  # the control misses the drafter's forwards
     assert run.host_ms_per_step == pytest.approx(1e3 * (run.seconds - run.forward_s) / run.steps)
     assert run.forward_ms_per_step + run.host_ms_per_step == pytest.approx(1e3 * run.seconds / run.steps)
+    split = Comparison(run, run, {}, [(run, run)]).step_split()
+    assert split["spec_host_ms"] == round(run.host_ms_per_step, 3) and split["spec_forward_ms"] > split["spec_host_ms"]
+    assert set(Comparison(run, run, {}, [(run, run)], on_cpu=False).step_split().values()) == {None}  # a GPU's launches
