@@ -91,10 +91,8 @@ class Comparison:
     on_cpu: bool = True  # the engines' device: their forwards' time is a CPU figure (`step_split`)
 
     def step_split(self) -> dict[str, float | None]:
-        """The fastest runs' steps split into model forwards and the host work around them, ms per step: the host
-        work is all the ideal leaves out, and the forwards against K * t_draft + t_verify are what a step's forwards
-        lose (the first draft is the catch-up over the accepted tokens; verify keys pad to the batch's longest).
-        None on a GPU, whose forwards return at launch."""
+        """The fastest runs' steps split into model forwards and the host work around them, ms per step (what each
+        means against the ideal: `infer.bench`'s help). None on a GPU, whose forwards return at launch."""
         split = {"plain_host_ms": self.plain.host_ms_per_step, "spec_forward_ms": self.spec.forward_ms_per_step,
                  "spec_host_ms": self.spec.host_ms_per_step}
         return {name: round(ms, 3) if self.on_cpu else None for name, ms in split.items()}

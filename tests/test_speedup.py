@@ -148,22 +148,22 @@ def test_a_timed_run_splits_its_steps_into_forwards_and_host_work(stories_model,
     config = EngineConfig(num_draft_tokens=2, backend="torch", page_size=8, num_pages=64)
     spec = Engine(stories_model, stories_tokenizer, [2], config)
     spec.attach_drafter("draft", stories_model)
-    slept = {id(spec.runner): 0.0, id(spec.drafter.runner): 0.0}
+    slept = {spec.runner: 0.0, spec.drafter.runner: 0.0}
     forward = ModelRunner.forward
 
     def slow_forward(self, *args, **kwargs):
         out = forward(self, *args, **kwargs)
         pause = 0.010 if self is spec.drafter.runner else 0.001
         time.sleep(pause)
-        slept[id(self)] += pause
+        slept[self] += pause
         return out
 
     monkeypatch.setattr(ModelRunner, "forward", slow_forward)
     target_before = spec.runner.forward_s
     run = timed_generate(spec, [[1, 403, 407], [1, 500]], SamplingParams(max_new_tokens=12, ignore_eos=True))
     target_only = spec.runner.forward_s - target_before
-    drafter_slept = slept[id(spec.drafter.runner)]
-    assert drafter_slept >= 0.05 and slept[id(spec.runner)] > 0
+    drafter_slept = slept[spec.drafter.runner]
+    assert drafter_slept >= 0.05 and slept[spec.runner] > 0
     assert sum(slept.values()) <= run.forward_s < run.seconds
     assert target_only < sum(slept.values()) - drafter_slept / 2  # the control misses the drafter's forwards
     assert run.host_ms_per_step == pytest.approx(1e3 * (run.seconds - run.forward_s) / run.steps)
