@@ -10,9 +10,9 @@ called by every layer. Two attention kinds are served:
                   (FlashInfer's MLA layout).
 `TorchAttention` groups a step's sequences by query length, gathers each group's keys into a batch (or reads them
 from the mirror it keeps while its forwards attend the same sequences) and calls SDPA (CPU, tests);
-`FlashInferAttention` runs FlashInfer's paged kernels (GPU), imported only when chosen. A step may ask for outputs
-at each sequence's last row only (`PageMetadata.last_query_only`: a one-layer head's catch-up); a backend says which
-rows it computed in `output_rows`.
+`FlashInferAttention` runs FlashInfer's paged kernels (GPU), imported only when chosen. A step may ask for one
+output row per sequence (`PageMetadata.output_rows`: a one-layer head's catch-up); a backend says which rows it
+computed in its own `output_rows`.
 """
 
 from __future__ import annotations
@@ -30,7 +30,8 @@ from infer.kv_cache import DecodeSteps, PageMetadata
 
 class AttentionBackend(Protocol):
     # The rows of the packed batch whose outputs attend returns (None: all); a layer keeps those rows of its residual
-    # (`infer.models.common.keep_output_rows`). Set by plan: each sequence's last row for a last_query_only step.
+    # (`infer.models.common.keep_output_rows`). Set by plan: the step's `PageMetadata.output_rows`, where the backend
+    # computes those rows alone.
     output_rows: torch.Tensor | None
 
     def plan(self, meta: PageMetadata) -> None: ...
@@ -131,14 +132,17 @@ class _Group:
       mask       [n, 1, q_len, max_kv] the keys each query sees, None when it sees them all
     """
 
-    def __init__(self, meta: PageMetadata, seqs: torch.Tensor | None, q_lens: list[int], kv_lens: list[int]) -> None:
-        """seqs: the group's sequences (None: all, in order); q_lens, kv_lens: theirs."""
+    def __init__(self, meta: PageMetadata, seqs: torch.Tensor | None, q_lens: list[int], kv_lens: list[int],
+                 kv_lens_t: torch.Tensor | None = None) -> None:
+        """seqs: the group's sequences (None: all, in order); q_lens, kv_lens: theirs; kv_lens_t: kv_lens as a
+        tensor where they are not meta.kv_lens (output rows: the keys each row sees)."""
         device = meta.positions.device
         self.page_size = meta.page_size
         q_len = self.q_len = max(q_lens)
         self.num_seqs = len(kv_lens)
         # int32 metadata indexes and promotes to int64 as it meets the int64 aranges: no casts needed.
-        kv_lens_t, kv_start, qo_start = meta.kv_lens, meta.kv_indptr[:-1], meta.qo_indptr[:-1]
+        kv_lens_t, kv_start, qo_start = meta.kv_lens if kv_lens_t is None else kv_lens_t, meta.kv_indptr[:-1], \
+            meta.qo_indptr[:-1]
         if seqs is not None:
             kv_lens_t, kv_start, qo_start = kv_lens_t[seqs], kv_start[seqs], qo_start[seqs]
         q_pos = torch.arange(q_len, device=device)
@@ -349,10 +353,11 @@ class TorchAttention:
         batch, host = meta.batch_size, meta.on_host()  # the lengths as built on the host: no device sync
         kv_lens = host.kv_lens.tolist()
         q_lens = [1] * batch if meta.max_q_len == 1 else (host.qo_indptr[1:] - host.qo_indptr[:-1]).tolist()
-        if meta.last_query_only and meta.max_q_len > 1:  # the last rows attend, as decodes at the same lengths
-            self.output_rows = (meta.qo_indptr[1:] - 1).long()
-            self.groups = [_Group(meta, None, [1] * batch, kv_lens)]
-            self._keep_mirror(meta, max(kv_lens))
+        if meta.output_rows is not None and meta.max_q_len > 1:  # those rows attend, as decodes at their positions
+            self.output_rows = meta.output_rows
+            row_kv_lens = meta.positions[meta.output_rows] + 1  # [B] the keys each row sees
+            self.groups = [_Group(meta, None, [1] * batch, row_kv_lens.tolist(), row_kv_lens)]
+            self._keep_mirror(meta, max(kv_lens))  # it holds what the forward writes
             self._mirror_tokens = (q_lens, meta.positions)  # every token's K/V is written
             return
         short, by_q_len = [], {}  # the short queries; each longer query length's sequences
@@ -514,7 +519,7 @@ class FlashInferAttention:
             self.wrapper = flashinfer.mla.BatchMLAPagedAttentionWrapper(workspace)
         self._planned_scale: float | None = None
         self._meta: PageMetadata | None = None
-        self.output_rows = None  # every row, also for a last_query_only step (its extra outputs are dropped)
+        self.output_rows = None  # every row, also where a step asks for output_rows (the others are dropped)
 
     def plan(self, meta: PageMetadata) -> None:
         # FlashInfer bakes sm_scale into the plan; the first layer's call completes it (all layers share it).

@@ -347,16 +347,19 @@ class Engine:
 
         spec_out, forwarded = None, {}
         if speculating:
-            def target_forward(verify_ids: torch.Tensor) -> ModelOutput:  # [B_spec, K+1] -> the verify rows
-                out = forwarded["out"] = self._target_forward(rows, speculating, verify_ids)
+            def target_forward(verify_ids: torch.Tensor) -> tuple[ModelOutput, PageMetadata | None]:
+                """[B_spec, K+1] -> the verify rows' outputs, and the forward's metadata if they were all it held."""
+                out, meta = self._target_forward(rows, speculating, verify_ids)
+                forwarded["out"] = out
                 features = forwarded["features"] = self.drafter.target_features(out)  # what the drafter reads
-                return ModelOutput(out.logits[len(rows.sample_rows):], features[rows.num_tokens:])
+                return (ModelOutput(out.logits[len(rows.sample_rows):], features[rows.num_tokens:]),
+                        None if rows.num_tokens else meta)
 
             sampling = SamplingTensors.from_params([r.params for r in speculating], self.device)
             spec_out = speculative_decode(target_forward, self.drafter, speculating, self.num_draft_tokens, sampling,
                                           [r.generator for r in speculating], self.config.draft_catch_up)
         else:
-            forwarded["out"] = self._target_forward(rows, [], None)
+            forwarded["out"] = self._target_forward(rows, [], None)[0]
         out = forwarded["out"]
 
         finished = []
@@ -384,10 +387,11 @@ class Engine:
         return self._finish_step(finished)
 
     def _target_forward(self, rows: "_PlainRows", speculating: list[Request],
-                        verify_ids: torch.Tensor | None) -> ModelOutput:
+                        verify_ids: torch.Tensor | None) -> tuple[ModelOutput, PageMetadata]:
         """One packed target forward: the plain rows, then K+1 verify rows per speculating request.
 
-        Logits come back for the plain rows that sample, then for every verify row; hidden states for all rows.
+        Logits come back for the plain rows that sample, then for every verify row; hidden states for all rows; and
+        the forward's page metadata.
         """
         k = self.num_draft_tokens
         page_lists = rows.page_lists + [r.page_table.pages for r in speculating]
@@ -398,7 +402,7 @@ class Engine:
             meta = build_page_metadata(page_lists, q_lens, kv_lens, self.config.page_size, self.device)
         if speculating and not rows.num_tokens:  # verify rows alone: every row's logits, in order
             return self.runner.run(verify_ids.flatten().to(self.device), meta, None,
-                                   aux_layers=self.drafter.target_aux_layers)
+                                   aux_layers=self.drafter.target_aux_layers), meta
         ids = torch.tensor(rows.input_ids, dtype=torch.long, device=self.device)
         logits_rows = None  # decodes only: every row samples, no rows to pick
         if speculating or len(rows.sampling) < rows.num_tokens:
@@ -407,7 +411,8 @@ class Engine:
             ids = torch.cat((ids, verify_ids.flatten().to(self.device)))
             verify_rows = torch.arange(rows.num_tokens, ids.shape[0], device=self.device)
             logits_rows = torch.cat((logits_rows, verify_rows))
-        return self.runner.run(ids, meta, logits_rows, aux_layers=self.drafter.target_aux_layers if self.drafter else ())
+        return self.runner.run(ids, meta, logits_rows,
+                               aux_layers=self.drafter.target_aux_layers if self.drafter else ()), meta
 
     def _decode_run_meta(self, rows: "_PlainRows") -> PageMetadata | None:
         """A batch of one-token rows takes its step of a run of `decode_run_steps` decode steps built at once

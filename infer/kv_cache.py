@@ -108,7 +108,8 @@ class PageMetadata:
       positions        [T]   int64  position of every new token
       slot_mapping     [T]   int64  page * page_size + offset where every new token's KV goes
     A step of a `DecodeSteps` run names it (decode_run, decode_step): a backend may plan the whole run at once.
-    With last_query_only, a backend's `output_rows` are each sequence's last row (qo_indptr[1:] - 1).
+    A step may want one output per sequence (output_rows, [B] rows of the packed batch, each attending at its own
+    position); a backend that computes those rows alone says so in its own `output_rows`.
     The fields are built on the host; on another device `host` keeps them there (`on_host`).
     """
 
@@ -124,9 +125,10 @@ class PageMetadata:
     max_kv_len: int
     decode_run: DecodeSteps | None = field(default=None, repr=False, compare=False)
     decode_step: int = 0
-    # Only each sequence's last new token attends: every token's K/V is written, and the forward computes outputs for
-    # the last rows alone (a one-layer head's catch-up reads its carry there; a model of more layers cannot use it).
-    last_query_only: bool = False
+    # Only these rows attend, one per sequence (its last row, or any row: keys up to its position): every token's
+    # K/V is written, and a one-layer head's forward computes its outputs there alone (its catch-up's carry; a model
+    # of more layers needs every row's output). None: every row.
+    output_rows: torch.Tensor | None = None
     host: PageMetadata | None = field(default=None, repr=False, compare=False)
 
     def on_host(self) -> PageMetadata:

@@ -6,7 +6,7 @@ Terms (per request):
             first draft of the next step without another forward
   catch-up  after every target forward the drafter runs over the positions the target has just settled, so it
             ends each step in lockstep with the target (a one-layer head writes every position's K/V but computes
-            its output at the last position alone: `PageMetadata.last_query_only`)
+            its output at the carry's position alone: `PageMetadata.output_rows`)
   emitted   the accepted drafts, then one token from the target (a correction, or a bonus after K acceptances)
 
 A drafter holds its own KV tensors, indexed by the *same* page tables as the target's (one allocator, one
@@ -28,11 +28,13 @@ the host reads once per step, the emitted tokens.
 Two catch-up schedules for an MTP head: "accepted" (the default) runs the head over the accepted span once the
 engine has appended the tokens; "verified" (the seed's) runs it over all K+1 verified positions right after
 verification, reading the target's own token at each (the accepted draft, then the correction), before the host
-reads the accepted lengths; positions past the accepted prefix are redundant work, rewritten later.
+reads the accepted lengths; positions past the accepted prefix are redundant work, rewritten later. When the
+verify rows had the target's forward to themselves, that catch-up runs on the verify forward's own page metadata.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import itertools
 import math
 import time
@@ -135,8 +137,8 @@ class Drafter:
     kind: str  # what Engine.attach_drafter calls it
     token_shift = 0  # position i reads token t_{i + token_shift}
     needs_hidden_states = False
-    # a one-layer head: its catch-up needs every position's K/V but only the last one's output (last_query_only)
-    last_query_only = False
+    # a one-layer head: its catch-up needs every position's K/V but only the carry's output (PageMetadata.output_rows)
+    one_layer = False
     target_aux_layers: tuple[int, ...] = ()  # intermediate layers the target's forwards must return for it
 
     def __init__(self, model: torch.nn.Module, num_pages: int, page_size: int, backend: str) -> None:
@@ -197,20 +199,21 @@ class Drafter:
                 first, hidden = target_hidden[seq.request_id]
                 hidden_rows.append(hidden[start - first : end - first])
         q_lens = [end - start for _, start, end in spans]
-        # [B] each span's last row in the packed batch: the rows a draft LM scores (a last_query_only head computes
-        # those rows alone, or, when every span is one row, every row)
-        last_rows = None if self.last_query_only else torch.tensor(
+        # [B] each span's last row in the packed batch, the rows scored (None when every span is one row: all rows);
+        # a one-layer head computes those rows alone
+        last_rows = None if max(q_lens) == 1 else torch.tensor(
             [row - 1 for row in itertools.accumulate(q_lens)], device=self.device)
         meta = build_page_metadata([s.page_table.pages for s, _, _ in spans], q_lens, [end for _, _, end in spans],
                                    self.page_size, self.device)
-        meta.last_query_only = self.last_query_only
+        if self.one_layer:
+            meta.output_rows = last_rows
         hidden_in = None
         if hidden_rows:
             hidden_in = hidden_rows[0] if len(hidden_rows) == 1 else torch.cat(hidden_rows)
         out = self._run(torch.tensor(input_ids, dtype=torch.long, device=self.device), meta, last_rows, hidden_in)
         carried = [None] * len(spans)
-        if self.needs_hidden_states:  # [B, H]: a last_query_only head's last rows; one unbind, not B indexing ops
-            carried = out.hidden_states.unbind()
+        if self.needs_hidden_states:  # one unbind, not B indexing ops
+            carried = self._scored_hidden(out, last_rows).unbind()
         for (seq, _, end), logits, hidden in zip(spans, out.logits.unbind(), carried):
             self._states[seq.request_id] = DraftState(end, logits, hidden)
 
@@ -237,6 +240,11 @@ class Drafter:
             logits, hidden = out.logits, (out.hidden_states if self.needs_hidden_states else None)
         return torch.stack(tokens, dim=1), (torch.stack(probs, dim=1) if probs else None)
 
+    def _scored_hidden(self, out: ModelOutput, rows: Tensor | None) -> Tensor:
+        """[B, H] a head's hidden states at the rows it scored: the rows its backend computed alone, or those of
+        every row's (FlashInfer computes every row)."""
+        return out.hidden_states if rows is None or self.runner.attn.output_rows is not None else out.hidden_states[rows]
+
     def _run(self, input_ids: Tensor, meta: PageMetadata, logits_indices: Tensor | None,
              hidden: Tensor | None) -> ModelOutput:
         extra = {"hidden_states": hidden} if self.needs_hidden_states else {}
@@ -255,36 +263,34 @@ class MTPDrafter(Drafter):
     kind = "mtp"
     token_shift = 1
     needs_hidden_states = True
-    last_query_only = True
+    one_layer = True
 
     def target_features(self, out: ModelOutput) -> Tensor:
         return self.runner.model.features(out.hidden_states)  # h_i, through the target's norm for post_norm heads
 
     def catch_up_verified(self, seqs: list[Sequence], verify_ids: Tensor, emitted: Tensor, num_emitted: Tensor,
-                          target_hidden: Tensor) -> None:
+                          target_hidden: Tensor, verify_meta: PageMetadata | None = None) -> None:
         """The "verified" schedule: run over all K+1 verified positions before the host knows how many were
         accepted. Position num_computed + i reads the target's own token there (emitted[:, i]: the accepted draft,
-        or the correction; past those, any token: redundant rows) and the target's hidden state; the carry is
-        gathered on the device at the last emitted token's position.
+        or the correction; past those, any token: redundant rows) and the target's hidden state; the head's output
+        is computed at the last emitted token's row alone (found on the device), the carry.
 
-        verify_ids, emitted [B, K+1]; num_emitted [B]; target_hidden [B, K+1, H].
+        verify_ids, emitted [B, K+1]; num_emitted [B]; target_hidden [B, K+1, H]; verify_meta: the verify forward's
+        page metadata when it held these rows alone (the same positions: no second build), else None.
         """
         batch, width = verify_ids.shape  # width = K+1
         first = [s.num_computed for s in seqs]
         own_tokens = torch.where(emitted >= 0, emitted, verify_ids)  # [B, K+1]: past the emitted ones, any token
         last_rows = torch.arange(batch, device=self.device) * width + num_emitted - 1  # [B] the carry's rows
-        out = self._forward_verified(own_tokens.flatten(), [s.page_table.pages for s in seqs], first, width,
-                                     target_hidden.flatten(0, 1), last_rows)
-        carried_hidden = out.hidden_states[last_rows].unbind()  # B x [H]
+        if verify_meta is None:
+            verify_meta = build_page_metadata([s.page_table.pages for s in seqs], [width] * batch,
+                                              [f + width for f in first], self.page_size, self.device)
+        meta = dataclasses.replace(verify_meta, output_rows=last_rows)
+        out = self._run(own_tokens.flatten(), meta, last_rows, target_hidden.flatten(0, 1))
         counts = num_emitted.tolist()  # the step's host read, after the head's forward was launched
-        for seq, start, count, logits, hidden in zip(seqs, first, counts, out.logits.unbind(), carried_hidden):
+        for seq, start, count, logits, hidden in zip(seqs, first, counts, out.logits.unbind(),
+                                                     self._scored_hidden(out, last_rows).unbind()):
             self._states[seq.request_id] = DraftState(start + count, logits, hidden)
-
-    def _forward_verified(self, input_ids: Tensor, page_lists: list[list[int]], first: list[int], width: int,
-                          hidden: Tensor, logits_indices: Tensor) -> ModelOutput:
-        meta = build_page_metadata(page_lists, [width] * len(first), [f + width for f in first], self.page_size,
-                                   self.device)  # the verify forward's positions
-        return self._run(input_ids, meta, logits_indices, hidden)
 
 
 CATCH_UP_SCHEDULES = ("accepted", "verified")
@@ -316,8 +322,9 @@ class SpecOutput:
     caught_up: bool  # the drafter already holds the emitted positions (the "verified" schedule)
 
 
-# The target forward over the verify rows: [B, K+1] token ids -> logits [B*(K+1), V] and hidden [B*(K+1), H].
-TargetForward = Callable[[Tensor], ModelOutput]
+# The target forward over the verify rows: [B, K+1] token ids -> (logits [B*(K+1), V] and hidden [B*(K+1), H],
+# the forward's page metadata when it held the verify rows alone, else None).
+TargetForward = Callable[[Tensor], tuple[ModelOutput, PageMetadata | None]]
 
 
 def speculative_decode(
@@ -335,7 +342,7 @@ def speculative_decode(
     start = time.perf_counter()
     pending = torch.tensor([s.token_ids[-1] for s in seqs], device=draft_ids.device)[:, None]  # [B, 1]
     verify_ids = torch.cat((pending, draft_ids), dim=1)  # [B, K+1]
-    out = target_forward(verify_ids)
+    out, verify_meta = target_forward(verify_ids)
     target_logits = out.logits.view(batch, k + 1, -1)  # [B, K+1, V]
     hidden = out.hidden_states.view(batch, k + 1, -1)  # [B, K+1, H]
     if draft_probs is None and catch_up == "accepted":  # only the host reads the outcome: cut it there
@@ -351,7 +358,7 @@ def speculative_decode(
     verify_time = time.perf_counter() - start
     if catch_up == "verified":
         start = time.perf_counter()
-        drafter.catch_up_verified(seqs, verify_ids, emitted, num_emitted, hidden)
+        drafter.catch_up_verified(seqs, verify_ids, emitted, num_emitted, hidden, verify_meta)
         draft_time += time.perf_counter() - start
     rows = [row[:n] for row, n in zip(emitted.tolist(), num_emitted.tolist())]
     return SpecOutput(rows, hidden, draft_time, verify_time, caught_up=catch_up == "verified")

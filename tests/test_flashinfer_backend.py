@@ -1,7 +1,8 @@
 """The FlashInfer backend's side of the contract, on a CPU: `tests/fake_flashinfer.py` stands in for the package and
 attends from nothing but what `plan()` was given, in FlashInfer's documented page layout. Through it the engine gives
 the torch backend's tokens (greedy: plain with chunked prefill and mixed lengths, speculative with an MTP head and a draft LM,
-and an MLA model); every forward is planned once, with its indptrs and lengths on the host, before its layers run; a page
+and an MLA model; sampled speculation with an MTP head: the same drafts at every step, under both catch-up schedules);
+every forward is planned once, with its indptrs and lengths on the host, before its layers run; a page
 length one short (the newest key dropped) changes the tokens, so the comparison has power. Metadata built for
 another device keeps its host copies. The kernels themselves run only on a GPU (`launch/gpu_check.sh`).
 """
@@ -22,6 +23,7 @@ from infer.models.mtp_head import init_head_from_target
 from infer.sampling_params import SamplingParams
 from tests import fake_flashinfer
 from tests.test_deepseek_v2 import tiny_config as tiny_deepseek_config
+from tests.test_speculative import STORY
 
 pytestmark = pytest.mark.usefixtures("one_torch_thread")
 
@@ -70,6 +72,37 @@ def test_speculation_gives_the_torch_backends_tokens_and_acceptance(fake, storie
     assert ours == reference == tokens(stories_model, "torch")[0] and tau == reference_tau
     if drafter == "draft":
         assert tau == 4.0
+
+
+@pytest.mark.parametrize("schedule", ["accepted", "verified"])
+def test_sampled_speculation_gives_the_torch_backends_drafts_and_tokens(fake, stories_model, stories_tokenizer,
+                                                                      schedule):
+    """Seeded T=1 requests on a story, where the untrained head's drafts are often accepted: the head's carry (its
+    logits and state at each catch-up's last row, or at the last emitted row of the verified schedule) is read
+    from every row FlashInfer computes as from the rows the torch backend computes alone, so every step drafts the
+    same tokens and emits the same ones."""
+    head = init_head_from_target(stories_model, "stories260K")
+    story = stories_tokenizer.encode(STORY)
+    prompts = [story[:13], story[20:30], story[40:44]]
+    runs = {}
+    for backend in ("torch", "flashinfer"):
+        engine = Engine(stories_model, None, [], EngineConfig(page_size=4, num_pages=128, max_num_batched_tokens=8,
+                                                              backend=backend, num_draft_tokens=3,
+                                                              draft_catch_up=schedule))
+        engine.attach_drafter("mtp", head)
+        drafts, propose = [], engine.drafter.propose
+
+        def recording_propose(seqs, *args, **kwargs):
+            ids, probs = propose(seqs, *args, **kwargs)
+            drafts.append(([s.request_id for s in seqs], ids.tolist()))
+            return ids, probs
+
+        engine.drafter.propose = recording_propose
+        params = [SamplingParams(max_new_tokens=64, ignore_eos=True, temperature=1.0, seed=i) for i in range(3)]
+        out = engine.generate(prompts, params)
+        runs[backend] = (drafts, [r.output_ids for r in out], engine.spec_stats.accepted_length_histogram)
+    assert runs["flashinfer"] == runs["torch"]
+    assert sum(runs["torch"][2][1:]) > 0, "no draft was ever accepted: a weak check"
 
 
 def test_mla_model_gives_the_torch_backends_tokens(fake, tmp_path):

@@ -249,9 +249,10 @@ def test_head_loaded_in_another_dtype_runs_or_is_refused(stories_model, tmp_path
     assert (got.float() - want).abs().max() <= 0.05 * (want.max() - want.min())
 
 
-def catch_up_once(head, last_query_only: bool) -> tuple[torch.Tensor, torch.Tensor, list]:
+def catch_up_once(head, rows: list[int], alone: bool) -> tuple[torch.Tensor, torch.Tensor, list]:
     """A head's prefill of three sequences, then one catch-up-like forward of 3, 1 and 4 new rows each on the paged
-    cache: (logits [3, V] and hidden states [3, H] at each sequence's last row, the caches after it)."""
+    cache, scored at one packed row per sequence (alone: the step's output_rows, computed alone): (logits [3, V]
+    and hidden states [3, H] at those rows, the caches after it)."""
     from infer.attention import TorchAttention  # noqa: PLC0415
     from infer.kv_cache import PagePool, PageTable, build_page_metadata  # noqa: PLC0415
 
@@ -267,22 +268,21 @@ def catch_up_once(head, last_query_only: bool) -> tuple[torch.Tensor, torch.Tens
         for table, kv_len in zip(tables, kv_lens):
             table.extend(kv_len)
         meta = build_page_metadata([t.pages for t in tables], lens, kv_lens, page_size, torch.device("cpu"))
-        meta.last_query_only = last_query_only and step == 1
-        last_rows = torch.tensor(lens).cumsum(0) - 1
+        scored = torch.tensor(rows) if step == 1 else torch.tensor(lens).cumsum(0) - 1
+        if alone and step == 1:
+            meta.output_rows = scored
         attn.plan(meta)
-        out = head(torch.randint(3, 512, (sum(lens),), generator=gen), meta.positions, attn, caches, last_rows,
+        out = head(torch.randint(3, 512, (sum(lens),), generator=gen), meta.positions, attn, caches, scored,
                    hidden_states=torch.randn(sum(lens), hidden_size, generator=gen))
-    hidden = out.hidden_states
-    if last_query_only:
-        assert hidden.shape[0] == len(q_lens)  # the layer computed the last rows alone
-        return out.logits, hidden, caches
-    return out.logits, hidden[last_rows], caches
+    assert (attn.output_rows is not None) == alone  # alone: the layer computed those rows only
+    return out.logits, out.hidden_states if alone else out.hidden_states[scored], caches
 
 
 @torch.no_grad()
 def test_catch_up_of_the_last_rows_alone_gives_every_rows_caches_and_the_carry(saved_head):
-    """A one-layer head's catch-up (last_query_only) attends and runs its MLP for each sequence's last row only, yet
-    writes every row's K/V: the carry (logits, hidden state) and the caches equal the full forward's."""
+    """A one-layer head's catch-up (output_rows: each sequence's last row, or any one row, as the verified
+    schedule's carry) attends and runs its MLP for those rows only, yet writes every row's K/V: the carry (logits,
+    hidden state) and the caches equal the full forward's at those rows."""
     head, _ = saved_head
     assert_same_catch_up(head)
 
@@ -294,8 +294,9 @@ def test_deepseek_head_catch_up_of_the_last_rows_alone(dsv2_model):
 
 
 def assert_same_catch_up(head) -> None:
-    logits, hidden, caches = catch_up_once(head, last_query_only=False)
-    last_logits, last_hidden, last_caches = catch_up_once(head, last_query_only=True)
-    torch.testing.assert_close(last_logits, logits, rtol=1e-5, atol=1e-5)
-    torch.testing.assert_close(last_hidden, hidden, rtol=1e-5, atol=1e-5)
-    torch.testing.assert_close(last_caches, caches, rtol=0, atol=0)
+    for rows in ([2, 3, 7], [1, 3, 5]):  # packed rows 0-2, 3, 4-7: the last rows, then rows inside the spans
+        logits, hidden, caches = catch_up_once(head, rows, alone=False)
+        row_logits, row_hidden, row_caches = catch_up_once(head, rows, alone=True)
+        torch.testing.assert_close(row_logits, logits, rtol=1e-5, atol=1e-5)
+        torch.testing.assert_close(row_hidden, hidden, rtol=1e-5, atol=1e-5)
+        torch.testing.assert_close(row_caches, caches, rtol=0, atol=0)

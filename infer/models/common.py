@@ -37,7 +37,7 @@ def run_decoder_layers(
 ) -> tuple[torch.Tensor, dict[int, torch.Tensor]]:
     """The decoder stack over a packed batch: the last layer's output and the outputs of `aux_layers`."""
     if attn.output_rows is not None:
-        raise ValueError("a last_query_only step serves one-layer heads: a decoder stack needs every row's output")
+        raise ValueError("a step with output_rows serves one-layer heads: a decoder stack needs every row's output")
     aux: dict[int, torch.Tensor] = {}
     for i, layer in enumerate(layers):
         x = layer(x, cos, sin, attn, kv_caches[i])

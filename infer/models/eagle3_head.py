@@ -171,8 +171,8 @@ class Eagle3Head(DraftHead):
         logits_indices: torch.Tensor | None = None,
         hidden_states: torch.Tensor | None = None,
     ) -> ModelOutput:
-        """input_ids [T] are t_{i+1}; hidden_states [T, H] are g_i (step 0) or the head's own h'; positions [T]. After
-        a last_query_only plan the outputs are the last rows alone (attn.output_rows), logits_indices unused."""
+        """input_ids [T] are t_{i+1}; hidden_states [T, H] are g_i (step 0) or the head's own h'; positions [T]; the
+        outputs as `DraftHead.output` gives them."""
         assert self.shared is not None, "attach() the target's weights first"
         assert hidden_states is not None, "the head needs the fused target states or its own"
         dtype = self.fc.weight.dtype
@@ -181,10 +181,8 @@ class Eagle3Head(DraftHead):
         x = self.layer(emb, hidden_states.to(dtype), cos, sin, attn, kv_caches[0])
         return self.output(x, attn, logits_indices)
 
-    def compute_logits(self, hidden_states: torch.Tensor, indices: torch.Tensor | None = None) -> torch.Tensor:
+    def compute_logits(self, hidden_states: torch.Tensor) -> torch.Tensor:
         """fp32 logits over the target's vocabulary: the draft vocabulary's, -inf everywhere else."""
-        if indices is not None:
-            hidden_states = hidden_states[indices]
         normed = self.final_norm(hidden_states)
         if self.lm_head is None and isinstance(self.shared.lm_head, ParallelLMHead):
             # the target's rows are split over the ranks: score its whole vocabulary (gathered), keep the draft ids

@@ -129,13 +129,15 @@ class DraftHead(nn.Module):
         """[draft vocab] the target id of each draft logit, None when the draft vocabulary is the target's."""
         return None
 
-    def compute_logits(self, hidden_states: torch.Tensor, indices: torch.Tensor | None = None) -> torch.Tensor:
-        return final_logits(self.final_norm, self.shared.lm_head, hidden_states, indices)
+    def compute_logits(self, hidden_states: torch.Tensor) -> torch.Tensor:
+        return final_logits(self.final_norm, self.shared.lm_head, hidden_states)
 
     def output(self, x: torch.Tensor, attn, logits_indices: torch.Tensor | None) -> ModelOutput:
-        """The layer's output x and its logits at logits_indices; after a last_query_only plan x holds the last rows
-        alone (attn.output_rows), and they are the rows scored."""
-        return ModelOutput(self.compute_logits(x, None if attn.output_rows is not None else logits_indices), x)
+        """Logits at logits_indices (None: every row) and every row's hidden state; where the backend computed the
+        step's output rows alone (attn.output_rows: the rows scored), x holds those rows only."""
+        if attn.output_rows is not None or logits_indices is None:
+            return ModelOutput(self.compute_logits(x), x)
+        return ModelOutput(self.compute_logits(x[logits_indices]), x)
 
     # --- KV cache: one layer (Llama: K/V pages; DeepSeek-V2: latent and rope-key pages) ----------
     def allocate_kv_cache(self, num_pages: int, page_size: int, dtype: torch.dtype, device: torch.device) -> list:

@@ -103,8 +103,8 @@ class MTPHead(DraftHead):
         logits_indices: torch.Tensor | None = None,
         hidden_states: torch.Tensor | None = None,
     ) -> ModelOutput:
-        """input_ids [T] are t_{i+1}, hidden_states [T, H] are h_i, positions [T] are i. After a last_query_only
-        plan the layer computes the last rows alone (attn.output_rows): they are the outputs, logits_indices unused."""
+        """input_ids [T] are t_{i+1}, hidden_states [T, H] are h_i, positions [T] are i; the outputs as
+        `DraftHead.output` gives them."""
         assert self.shared is not None, "attach() the target's weights first"
         assert hidden_states is not None, "the head needs the target's hidden states"
         dtype = self.eh_proj.weight.dtype  # the head may run in another precision than the target
