@@ -14,6 +14,7 @@ from infer.atomic_io import OutputExistsError
 from infer.engine import EngineConfig
 from infer.loader import DTYPES, ModelLoadError
 from infer.models.mtp_head import HeadLoadError, read_head_config
+from infer.speculative import CATCH_UP_SCHEDULES
 
 
 class CliError(ValueError):
@@ -43,6 +44,15 @@ def add_spec_args(parser: argparse.ArgumentParser) -> None:
     group.add_argument("--draft", type=Path, help="the draft LM folder (--spec draft) or head folder (--spec mtp)")
     group.add_argument("--num-draft-tokens", type=int, default=None,
                        help="K, tokens proposed per step (default: the head's recommended K for the batch, else 4)")
+    add_catch_up_arg(group)
+
+
+def add_catch_up_arg(group: argparse._ActionsContainer) -> None:
+    group.add_argument("--draft-catch-up", choices=CATCH_UP_SCHEDULES, default=EngineConfig.draft_catch_up,
+                       help="how the drafter catches up after a verify: accepted (over the accepted tokens, once the "
+                            "host has read them), verified (a head over all K+1 verified positions, on the verify "
+                            "forward's own metadata, before the host reads the outcome) or auto (verified for a "
+                            "head, accepted for a draft LM; default)")
 
 
 DEFAULT_NUM_DRAFT_TOKENS = 4
@@ -74,7 +84,8 @@ def engine_kwargs(args: argparse.Namespace, max_num_seqs: int) -> dict:
         raise CliError(f"--batch-size must be >= 1, got {max_num_seqs}")
     return dict(page_size=args.page_size, num_pages=args.num_pages, max_num_seqs=max_num_seqs,
                 max_num_batched_tokens=args.max_num_batched_tokens, backend=args.attention_backend,
-                decode_run_steps=args.decode_run_steps)
+                decode_run_steps=args.decode_run_steps,
+                draft_catch_up=getattr(args, "draft_catch_up", EngineConfig.draft_catch_up))
 
 
 def run_cli(main: Callable[[], int]) -> int:

@@ -111,7 +111,9 @@ class EngineConfig:
     max_num_batched_tokens: int = 2048
     backend: str = "auto"
     num_draft_tokens: int = 4  # K, when a drafter is attached
-    draft_catch_up: str = "accepted"  # MTP heads: "accepted" or "verified" (the seed's schedule, infer.speculative)
+    # the drafter's catch-up (infer.speculative): "accepted", "verified" (the seed's schedule: heads only) or "auto",
+    # verified for a head (less host work a step, see README), accepted for a draft LM
+    draft_catch_up: str = "auto"
     decode_run_steps: int = 16  # plain decode steps whose metadata and attention plan are built at once (1: per step)
 
 
@@ -170,6 +172,7 @@ class Engine:
         self._next_id = 0
         self.num_steps = 0
         self.drafter: Drafter | None = None
+        self.catch_up = "accepted"  # the drafter's catch-up schedule, resolved when one is attached
         self.num_draft_tokens = cfg.num_draft_tokens
         self._decode_run: _DecodeRun | None = None
         self._run_steps = cfg.decode_run_steps  # the next decode run's length (see _decode_run_meta)
@@ -203,6 +206,9 @@ class Engine:
                              f"got {self.config.draft_catch_up!r}")
         if self.config.draft_catch_up == "verified" and kind == "draft":
             raise ValueError("draft_catch_up='verified' is the MTP head's schedule; a draft LM catches up 'accepted'")
+        self.catch_up = self.config.draft_catch_up
+        if self.catch_up == "auto":
+            self.catch_up = "accepted" if kind == "draft" else "verified"
         architecture = getattr(model.config, "architecture", None)
         if kind != "draft" and DRAFTER_KINDS.get(architecture) != kind:
             raise ValueError(f"a {architecture} head drafts as kind {DRAFTER_KINDS.get(architecture)!r}, not {kind!r}")
@@ -357,7 +363,7 @@ class Engine:
 
             sampling = SamplingTensors.from_params([r.params for r in speculating], self.device)
             spec_out = speculative_decode(target_forward, self.drafter, speculating, self.num_draft_tokens, sampling,
-                                          [r.generator for r in speculating], self.config.draft_catch_up)
+                                          [r.generator for r in speculating], self.catch_up)
         else:
             forwarded["out"] = self._target_forward(rows, [], None)[0]
         out = forwarded["out"]
@@ -459,7 +465,8 @@ class Engine:
         """Append each request's emitted tokens and record acceptance; returns the catch-up input of the survivors
         that the drafter has not caught up on already: request_id -> (first position, [K+1, H] hidden states)."""
         target_hidden = {}
-        for request, tokens, hidden in zip(requests, out.emitted, out.hidden_states):
+        hidden_rows = itertools.repeat(None) if out.caught_up else out.hidden_states  # [K+1, H] each: B views
+        for request, tokens, hidden in zip(requests, out.emitted, hidden_rows):
             request.spec_stats.record(len(tokens) - 1)
             self.spec_stats.record(len(tokens) - 1)
             first = request.num_computed

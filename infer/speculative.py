@@ -25,11 +25,16 @@ batch. It never changes a request; the engine appends the tokens, stops requests
 statistics and calls `Drafter.catch_up`. Draft ids stay on the device from the first draft to the verification;
 the host reads once per step, the emitted tokens.
 
-Two catch-up schedules for an MTP head: "accepted" (the default) runs the head over the accepted span once the
-engine has appended the tokens; "verified" (the seed's) runs it over all K+1 verified positions right after
-verification, reading the target's own token at each (the accepted draft, then the correction), before the host
-reads the accepted lengths; positions past the accepted prefix are redundant work, rewritten later. When the
-verify rows had the target's forward to themselves, that catch-up runs on the verify forward's own page metadata.
+Two catch-up schedules for an MTP head (`EngineConfig.draft_catch_up`): "accepted" runs the head over the accepted
+span once the engine has appended the tokens (a draft LM's only schedule); "verified" (the seed's, the default for
+heads) runs it over all K+1 verified positions right after verification, reading the target's own token at each
+(the accepted draft, then the correction), before the host reads the accepted lengths; positions past the accepted
+prefix are redundant work, rewritten later. When the verify rows had the target's forward to themselves, that
+catch-up runs on the verify forward's own page metadata, and the head computes its output at the carry's row
+alone, so a step builds one page metadata instead of two and the engine settles no catch-up input.
+
+A catch-up's carries stay batched (`Carry`): while the next step drafts for the same requests in the same order,
+the first draft reads them as they are.
 """
 
 from __future__ import annotations
@@ -123,12 +128,32 @@ class SpecStats:
 
 
 @dataclass
+class Carry:
+    """The carries of one catch-up's batch, kept batched: row b is the b-th sequence's. While the next step drafts
+    for the same sequences in the same order (a speculating batch that stays the same), `propose` reads these
+    tensors as they are, instead of splitting them per request and stacking them again."""
+
+    logits: Tensor  # [B, V]
+    hidden: Tensor | None  # [B, H] an MTP head's own state, None for a draft LM
+
+
+@dataclass
 class DraftState:
     """A drafter's view of one request."""
 
-    computed: int = 0  # positions its cache holds
-    logits: Tensor | None = None  # [V] at the last of them (the carry)
-    hidden: Tensor | None = None  # [H] the MTP head's own state there
+    computed: int  # positions its cache holds
+    carry: Carry  # the drafter's output at the last of them: row `row` of its batch's
+    row: int
+
+    @property
+    def logits(self) -> Tensor:
+        """[V]"""
+        return self.carry.logits[self.row]
+
+    @property
+    def hidden(self) -> Tensor:
+        """[H] (an MTP head's)"""
+        return self.carry.hidden[self.row]
 
 
 class Drafter:
@@ -164,7 +189,7 @@ class Drafter:
     def ready(self, seq: Sequence) -> bool:
         """Whether the drafter can propose for `seq` now: it has seen it and is in lockstep with the target."""
         state = self._states.get(seq.request_id)
-        return state is not None and state.logits is not None and state.computed == self.catch_up_end(seq)
+        return state is not None and state.computed == self.catch_up_end(seq)
 
     def rollback(self, request_id: int, num_computed: int) -> None:
         """Forget positions past the target's settled prefix (they hold rejected drafts)."""
@@ -211,19 +236,21 @@ class Drafter:
         if hidden_rows:
             hidden_in = hidden_rows[0] if len(hidden_rows) == 1 else torch.cat(hidden_rows)
         out = self._run(torch.tensor(input_ids, dtype=torch.long, device=self.device), meta, last_rows, hidden_in)
-        carried = [None] * len(spans)
-        if self.needs_hidden_states:  # one unbind, not B indexing ops
-            carried = self._scored_hidden(out, last_rows).unbind()
-        for (seq, _, end), logits, hidden in zip(spans, out.logits.unbind(), carried):
-            self._states[seq.request_id] = DraftState(end, logits, hidden)
+        carry = Carry(out.logits, self._scored_hidden(out, last_rows) if self.needs_hidden_states else None)
+        for row, (seq, _, end) in enumerate(spans):
+            self._states[seq.request_id] = DraftState(end, carry, row)
 
     def propose(
         self, seqs: list[Sequence], k: int, sampling: SamplingTensors, generators: list[torch.Generator]
     ) -> tuple[Tensor, Tensor | None]:
         """Draft k tokens per request: ([B, k] ids on the device, [B, k, V] draft probabilities or None if greedy)."""
         states = [self._states[s.request_id] for s in seqs]
-        logits = torch.stack([s.logits for s in states])  # [B, V]
-        hidden = torch.stack([s.hidden for s in states]) if self.needs_hidden_states else None  # [B, H]
+        carry = states[0].carry
+        if carry.logits.shape[0] == len(states) and all(s.carry is carry and s.row == b for b, s in enumerate(states)):
+            logits, hidden = carry.logits, carry.hidden  # [B, V], [B, H] | None: the last catch-up's batch
+        else:
+            logits = torch.stack([s.logits for s in states])
+            hidden = torch.stack([s.hidden for s in states]) if self.needs_hidden_states else None
         # Draft forward j writes position computed + j of every request: one metadata build serves the k-1 forwards.
         steps = DecodeSteps([s.page_table.pages for s in seqs], [s.computed for s in states], k - 1, self.page_size,
                             self.device) if k > 1 else None
@@ -287,13 +314,13 @@ class MTPDrafter(Drafter):
                                               [f + width for f in first], self.page_size, self.device)
         meta = dataclasses.replace(verify_meta, output_rows=last_rows)
         out = self._run(own_tokens.flatten(), meta, last_rows, target_hidden.flatten(0, 1))
+        carry = Carry(out.logits, self._scored_hidden(out, last_rows))
         counts = num_emitted.tolist()  # the step's host read, after the head's forward was launched
-        for seq, start, count, logits, hidden in zip(seqs, first, counts, out.logits.unbind(),
-                                                     self._scored_hidden(out, last_rows).unbind()):
-            self._states[seq.request_id] = DraftState(start + count, logits, hidden)
+        for row, (seq, start, count) in enumerate(zip(seqs, first, counts)):
+            self._states[seq.request_id] = DraftState(start + count, carry, row)
 
 
-CATCH_UP_SCHEDULES = ("accepted", "verified")
+CATCH_UP_SCHEDULES = ("auto", "accepted", "verified")  # EngineConfig.draft_catch_up
 
 
 class Eagle3Drafter(MTPDrafter):

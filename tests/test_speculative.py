@@ -636,15 +636,19 @@ def test_verified_catch_up_schedule_gives_the_accepted_schedules_tokens_and_acce
         engine.attach_drafter("mtp", untrained_head)
         runs[schedule] = drive(engine, prompts, params)
     accepted, verified = runs["accepted"], runs["verified"]
-    assert verified.outputs == accepted.outputs and not verified.violations
+    assert verified.outputs == accepted.outputs and not verified.violations and not accepted.violations
     assert verified.spec["accepted_length_histogram"] == accepted.spec["accepted_length_histogram"]
     assert sum(verified.spec["accepted_length_histogram"][1:]) > 0, "no draft was ever accepted: a weak check"
 
 
-def test_verified_schedule_is_for_mtp_heads_only(stories_model):
+def test_verified_schedule_is_for_mtp_heads_only(stories_model, untrained_head):
     engine = Engine(stories_model, config=EngineConfig(draft_catch_up="verified", num_pages=8))
     with pytest.raises(ValueError, match="MTP head's schedule"):
         engine.attach_drafter("draft", stories_model)
-    with pytest.raises(ValueError, match="draft_catch_up must be one of accepted, verified, got 'eager'"):
+    for kind, model, schedule in (("draft", stories_model, "accepted"), ("mtp", untrained_head, "verified")):
+        engine = Engine(stories_model, config=EngineConfig(num_pages=8))  # draft_catch_up "auto"
+        engine.attach_drafter(kind, model)
+        assert engine.catch_up == schedule
+    with pytest.raises(ValueError, match="draft_catch_up must be one of auto, accepted, verified, got 'eager'"):
         Engine(stories_model, config=EngineConfig(draft_catch_up="eager", num_pages=8)).attach_drafter(
             "mtp", init_head_from_target(stories_model, "stories260K"))
