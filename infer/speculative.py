@@ -356,10 +356,12 @@ TargetForward = Callable[[Tensor], tuple[ModelOutput, PageMetadata | None]]
 
 def speculative_decode(
     target_forward: TargetForward, drafter: Drafter, seqs: list[Sequence], k: int, sampling: SamplingTensors,
-    generators: list[torch.Generator], catch_up: str = "accepted",
+    generators: list[torch.Generator], schedule: str = "accepted",
 ) -> SpecOutput:
-    # catch_up "verified" needs an MTPDrafter (the engine checks when the drafter is attached)
-    """One draft-verify-accept round for decode requests whose page tables already hold K+1 more positions."""
+    """One draft-verify-accept round for decode requests whose page tables already hold K+1 more positions.
+
+    schedule: the drafter's catch-up, "accepted" (the engine runs it after settling) or "verified" (here, before the
+    host reads the outcome; an MTPDrafter's: the engine checks when the drafter is attached)."""
     batch = len(seqs)
     start = time.perf_counter()
     draft_ids, draft_probs = drafter.propose(seqs, k, sampling, generators)  # [B, K], [B, K, V] | None
@@ -372,7 +374,7 @@ def speculative_decode(
     out, verify_meta = target_forward(verify_ids)
     target_logits = out.logits.view(batch, k + 1, -1)  # [B, K+1, V]
     hidden = out.hidden_states.view(batch, k + 1, -1)  # [B, K+1, H]
-    if draft_probs is None and catch_up == "accepted":  # only the host reads the outcome: cut it there
+    if draft_probs is None and schedule == "accepted":  # only the host reads the outcome: cut it there
         rows = greedy_accept(draft_ids, target_logits.argmax(-1))
         return SpecOutput(rows, hidden, draft_time, time.perf_counter() - start, caught_up=False)
     if draft_probs is None:
@@ -383,9 +385,9 @@ def speculative_decode(
                          repeat(sampling.top_p)).view(batch, k + 1, -1)  # [B, K+1, V]
         emitted, num_emitted = rejection_sample(draft_ids, draft_probs, p, generators)
     verify_time = time.perf_counter() - start
-    if catch_up == "verified":
+    if schedule == "verified":
         start = time.perf_counter()
         drafter.catch_up_verified(seqs, verify_ids, emitted, num_emitted, hidden, verify_meta)
         draft_time += time.perf_counter() - start
     rows = [row[:n] for row, n in zip(emitted.tolist(), num_emitted.tolist())]
-    return SpecOutput(rows, hidden, draft_time, verify_time, caught_up=catch_up == "verified")
+    return SpecOutput(rows, hidden, draft_time, verify_time, caught_up=schedule == "verified")

@@ -648,7 +648,7 @@ def test_verified_schedule_is_for_mtp_heads_only(stories_model, untrained_head):
     for kind, model, schedule in (("draft", stories_model, "accepted"), ("mtp", untrained_head, "verified")):
         engine = Engine(stories_model, config=EngineConfig(num_pages=8))  # draft_catch_up "auto"
         engine.attach_drafter(kind, model)
-        assert engine.catch_up == schedule
+        assert engine.catch_up_schedule == schedule
     with pytest.raises(ValueError, match="draft_catch_up must be one of auto, accepted, verified, got 'eager'"):
         Engine(stories_model, config=EngineConfig(draft_catch_up="eager", num_pages=8)).attach_drafter(
             "mtp", init_head_from_target(stories_model, "stories260K"))
