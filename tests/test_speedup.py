@@ -114,6 +114,31 @@ def test_step_overhead_is_fitted_through_two_ks_and_predicts_the_ones_between():
     assert flat.spec_per_draft == 0 and flat.spec_at(1) == pytest.approx(0.7e-3)
 
 
+def test_bench_recommendation_is_the_sweeps_best_k_on_runs_the_model_describes():
+    """infer.bench's recommendation from rows whose tokens/s follow the cost model exactly (step overhead 0.3 + 0.1 K
+    ms, acceptance 0.9, 0.7, 0.5, 0.3: K=2 is best): it recommends the measured best K and predicts every K's
+    tokens/s exactly; a row whose speculative tokens/s is 20% off (K=3, not one of the two fitted) is the worst
+    error."""
+    from infer.bench import recommendations  # noqa: PLC0415
+
+    batch, conditional = 8, [0.9, 0.7, 0.5, 0.3]
+    rows = []
+    for k in (1, 2, 3, 4):
+        cost = ForwardCosts(decode=0.5e-3, draft=0.2e-3, verify=(0.6 + 0.05 * k) * 1e-3)
+        tau = predicted_tau(conditional, k)
+        rows.append({"temperature": 0.0, "batch_size": batch, "k": k, "tau": tau,
+                     "plain_tok_s": batch / (cost.decode + 0.2e-3),
+                     "spec_tok_s": batch * tau / (k * cost.draft + cost.verify + (0.3 + 0.1 * k) * 1e-3),
+                     "conditional_acceptance": conditional[:k], "t_decode_ms": cost.decode * 1e3,
+                     "t_draft_ms": cost.draft * 1e3, "t_verify_ms": cost.verify * 1e3})
+    (exact,) = recommendations(rows)
+    assert exact["recommended_k"] == exact["measured_best_k"] == 2
+    assert exact["predicted_over_measured"] == 1.0 and exact["worst_error_any_k"] == 0.0
+    rows[2]["spec_tok_s"] *= 1.25  # K=3 measured 25% faster: predicted / measured - 1 = -0.2
+    (off,) = recommendations(rows)
+    assert off["worst_error_any_k"] == pytest.approx(-0.2, abs=1e-3) and off["measured_best_k"] == 3
+
+
 def test_compare_counts_one_timed_runs_statistics(stories_model, stories_tokenizer):
     """The timed repeats replay the same seeded requests: the acceptance statistics (and so their standard errors)
     are one run's, whatever the number of repeats."""
