@@ -50,9 +50,8 @@ def add_spec_args(parser: argparse.ArgumentParser) -> None:
 def add_catch_up_arg(group: argparse._ActionsContainer) -> None:
     group.add_argument("--draft-catch-up", choices=CATCH_UP_SCHEDULES, default=EngineConfig.draft_catch_up,
                        help="how the drafter catches up after a verify: accepted (over the accepted tokens, once the "
-                            "host has read them), verified (a head over all K+1 verified positions, on the verify "
-                            "forward's own metadata, before the host reads the outcome) or auto (verified for a "
-                            "head, accepted for a draft LM; default)")
+                            "host has read them; default) or verified (an MTP or EAGLE-3 head over all K+1 verified "
+                            "positions, on the verify forward's own metadata, before the host reads the outcome)")
 
 
 DEFAULT_NUM_DRAFT_TOKENS = 4

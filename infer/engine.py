@@ -111,9 +111,9 @@ class EngineConfig:
     max_num_batched_tokens: int = 2048
     backend: str = "auto"
     num_draft_tokens: int = 4  # K, when a drafter is attached
-    # the drafter's catch-up (infer.speculative): "accepted", "verified" (the seed's schedule: heads only) or "auto",
-    # verified for a head (less host work a step, see README), accepted for a draft LM
-    draft_catch_up: str = "auto"
+    # the drafter's catch-up (infer.speculative): "accepted" or "verified" (the seed's schedule, heads only: fewer
+    # instructions a step at batch 8, K=1, more at batch 1, K=3; see README)
+    draft_catch_up: str = "accepted"
     decode_run_steps: int = 16  # plain decode steps whose metadata and attention plan are built at once (1: per step)
 
 
@@ -172,7 +172,6 @@ class Engine:
         self._next_id = 0
         self.num_steps = 0
         self.drafter: Drafter | None = None
-        self.catch_up_schedule = "accepted"  # the drafter's, resolved from draft_catch_up when one is attached
         self.num_draft_tokens = cfg.num_draft_tokens
         self._decode_run: _DecodeRun | None = None
         self._run_steps = cfg.decode_run_steps  # the next decode run's length (see _decode_run_meta)
@@ -206,9 +205,6 @@ class Engine:
                              f"got {self.config.draft_catch_up!r}")
         if self.config.draft_catch_up == "verified" and kind == "draft":
             raise ValueError("draft_catch_up='verified' is the MTP head's schedule; a draft LM catches up 'accepted'")
-        self.catch_up_schedule = self.config.draft_catch_up
-        if self.catch_up_schedule == "auto":
-            self.catch_up_schedule = "accepted" if kind == "draft" else "verified"
         architecture = getattr(model.config, "architecture", None)
         if kind != "draft" and DRAFTER_KINDS.get(architecture) != kind:
             raise ValueError(f"a {architecture} head drafts as kind {DRAFTER_KINDS.get(architecture)!r}, not {kind!r}")
@@ -363,7 +359,7 @@ class Engine:
 
             sampling = SamplingTensors.from_params([r.params for r in speculating], self.device)
             spec_out = speculative_decode(target_forward, self.drafter, speculating, self.num_draft_tokens, sampling,
-                                          [r.generator for r in speculating], self.catch_up_schedule)
+                                          [r.generator for r in speculating], self.config.draft_catch_up)
         else:
             forwarded["out"] = self._target_forward(rows, [], None)[0]
         out = forwarded["out"]

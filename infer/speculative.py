@@ -25,9 +25,9 @@ batch. It never changes a request; the engine appends the tokens, stops requests
 statistics and calls `Drafter.catch_up`. Draft ids stay on the device from the first draft to the verification;
 the host reads once per step, the emitted tokens.
 
-Two catch-up schedules for an MTP head (`EngineConfig.draft_catch_up`): "accepted" runs the head over the accepted
-span once the engine has appended the tokens (a draft LM's only schedule); "verified" (the seed's, the default for
-heads) runs it over all K+1 verified positions right after verification, reading the target's own token at each
+Two catch-up schedules for an MTP head (`EngineConfig.draft_catch_up`): "accepted" (the default, and a draft LM's
+only schedule) runs the head over the accepted span once the engine has appended the tokens; "verified" (the
+seed's) runs it over all K+1 verified positions right after verification, reading the target's own token at each
 (the accepted draft, then the correction), before the host reads the accepted lengths; positions past the accepted
 prefix are redundant work, rewritten later. When the verify rows had the target's forward to themselves, that
 catch-up runs on the verify forward's own page metadata, and the head computes its output at the carry's row
@@ -320,7 +320,7 @@ class MTPDrafter(Drafter):
             self._states[seq.request_id] = DraftState(start + count, carry, row)
 
 
-CATCH_UP_SCHEDULES = ("auto", "accepted", "verified")  # EngineConfig.draft_catch_up
+CATCH_UP_SCHEDULES = ("accepted", "verified")  # EngineConfig.draft_catch_up
 
 
 class Eagle3Drafter(MTPDrafter):
