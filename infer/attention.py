@@ -141,8 +141,8 @@ class _Group:
         q_len = self.q_len = max(q_lens)
         self.num_seqs = len(kv_lens)
         # int32 metadata indexes and promotes to int64 as it meets the int64 aranges: no casts needed.
-        kv_lens_t, kv_start, qo_start = meta.kv_lens if kv_lens_t is None else kv_lens_t, meta.kv_indptr[:-1], \
-            meta.qo_indptr[:-1]
+        kv_lens_t = meta.kv_lens if kv_lens_t is None else kv_lens_t
+        kv_start, qo_start = meta.kv_indptr[:-1], meta.qo_indptr[:-1]
         if seqs is not None:
             kv_lens_t, kv_start, qo_start = kv_lens_t[seqs], kv_start[seqs], qo_start[seqs]
         q_pos = torch.arange(q_len, device=device)
