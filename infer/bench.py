@@ -14,7 +14,7 @@ their ratio are medians over the repeats (each repeat against its own costs), to
 On a CPU a row also splits a step of the fastest runs into its model forwards and the host work around them
 (plain_host_ms, spec_forward_ms, spec_host_ms, per step): the host work is all the ideal leaves out, and
 spec_forward_ms against K * t_draft + t_verify is what the forwards lose inside a step (the first draft is the
-catch-up over the accepted tokens, the verify's keys pad to the batch's longest).
+catch-up over the verified positions, the verify's keys pad to the batch's longest).
 
 --tp T (under torchrun): every rank builds the same engines, each holding its shard; rank 0 measures and prints
 while the others run its steps. Without --spec the runtime alone is timed (transformers' model is not sharded).

@@ -49,9 +49,10 @@ def add_spec_args(parser: argparse.ArgumentParser) -> None:
 
 def add_catch_up_arg(group: argparse._ActionsContainer) -> None:
     group.add_argument("--draft-catch-up", choices=CATCH_UP_SCHEDULES, default=EngineConfig.draft_catch_up,
-                       help="how the drafter catches up after a verify: accepted (over the accepted tokens, once the "
-                            "host has read them; default) or verified (an MTP or EAGLE-3 head over all K+1 verified "
-                            "positions, on the verify forward's own metadata, before the host reads the outcome)")
+                       help="when the drafter catches up after a verify: accepted (once the host has read the accepted "
+                            "tokens; default) or verified (an MTP or EAGLE-3 head, before the host reads the "
+                            "outcome); a head whose verify rows had the forward alone runs over all K+1 verified "
+                            "positions on the verify forward's own metadata in both")
 
 
 DEFAULT_NUM_DRAFT_TOKENS = 4

@@ -111,8 +111,8 @@ class EngineConfig:
     max_num_batched_tokens: int = 2048
     backend: str = "auto"
     num_draft_tokens: int = 4  # K, when a drafter is attached
-    # the drafter's catch-up (infer.speculative): "accepted" or "verified" (the seed's schedule, heads only: fewer
-    # instructions a step at batch 8, K=1, more at batch 1, K=3; see README)
+    # when the drafter catches up (infer.speculative): "accepted", after the host reads the accepted lengths, or
+    # "verified" (the seed's schedule, heads only: before that read; the same tokens; see README)
     draft_catch_up: str = "accepted"
     decode_run_steps: int = 16  # plain decode steps whose metadata and attention plan are built at once (1: per step)
 

@@ -25,13 +25,14 @@ batch. It never changes a request; the engine appends the tokens, stops requests
 statistics and calls `Drafter.catch_up`. Draft ids stay on the device from the first draft to the verification;
 the host reads once per step, the emitted tokens.
 
-Two catch-up schedules for an MTP head (`EngineConfig.draft_catch_up`): "accepted" (the default, and a draft LM's
-only schedule) runs the head over the accepted span once the engine has appended the tokens; "verified" (the
-seed's) runs it over all K+1 verified positions right after verification, reading the target's own token at each
-(the accepted draft, then the correction), before the host reads the accepted lengths; positions past the accepted
-prefix are redundant work, rewritten later. When the verify rows had the target's forward to themselves, that
-catch-up runs on the verify forward's own page metadata, and the head computes its output at the carry's row
-alone, so a step builds one page metadata instead of two and the engine settles no catch-up input.
+Two catch-up schedules for an MTP head (`EngineConfig.draft_catch_up`), the same tokens either way: "accepted" (the
+default, and a draft LM's only schedule) runs the head once the host has read the accepted lengths; "verified" (the
+seed's) runs it right after verification, before that read, reading the target's own token at each verified position
+(the accepted draft, then the correction) on the device. When the verify rows had the target's forward to themselves,
+both run the head over all K+1 verify rows on the verify forward's own page metadata, its output at the carry's row
+alone: positions past the accepted prefix are redundant work, rewritten later, and a step builds one page metadata
+instead of two. Beside other requests' rows (a mixed batch) a head catches up over the accepted spans (accepted, once
+the engine has appended the tokens) or on metadata of its own (verified).
 
 A catch-up's carries stay batched (`Carry`): while the next step drafts for the same requests in the same order,
 the first draft reads them as they are.
@@ -305,19 +306,45 @@ class MTPDrafter(Drafter):
         verify_ids, emitted [B, K+1]; num_emitted [B]; target_hidden [B, K+1, H]; verify_meta: the verify forward's
         page metadata when it held these rows alone (the same positions: no second build), else None.
         """
-        batch, width = verify_ids.shape  # width = K+1
-        first = [s.num_computed for s in seqs]
+        width = verify_ids.shape[1]  # K+1
         own_tokens = torch.where(emitted >= 0, emitted, verify_ids)  # [B, K+1]: past the emitted ones, any token
-        last_rows = torch.arange(batch, device=self.device) * width + num_emitted - 1  # [B] the carry's rows
+        last_rows = torch.arange(len(seqs), device=self.device) * width + num_emitted - 1  # [B] the carry's rows
+        carry = self._run_verify_rows(seqs, own_tokens, last_rows, target_hidden, verify_meta)
+        self._hold(seqs, carry, num_emitted.tolist())  # the step's host read, after the head's forward was launched
+
+    def catch_up_accepted(self, seqs: list[Sequence], emitted: list[list[int]], target_hidden: Tensor,
+                          verify_meta: PageMetadata) -> None:
+        """The default schedule's catch-up when the verify rows had the target's forward to themselves: the host has
+        read the emitted tokens, and the head runs over all K+1 verify rows on the verify forward's own metadata
+        (no second build, no per-request slices of the target's hidden states), its output at each request's last
+        emitted row alone. Rows past the emitted ones read token 0: redundant work, rewritten by the next step's
+        drafts and catch-up before any query reads them (as in the verified schedule).
+
+        emitted: per request its 1..K+1 tokens; target_hidden [B, K+1, H]."""
+        width = target_hidden.shape[1]  # K+1
+        pad = [0] * width
+        own_tokens = torch.tensor([t for row in emitted for t in (row + pad[len(row):])], device=self.device)
+        last_rows = torch.tensor([b * width + len(row) - 1 for b, row in enumerate(emitted)], device=self.device)
+        carry = self._run_verify_rows(seqs, own_tokens, last_rows, target_hidden, verify_meta)
+        self._hold(seqs, carry, [len(row) for row in emitted])
+
+    def _run_verify_rows(self, seqs: list[Sequence], own_tokens: Tensor, last_rows: Tensor, target_hidden: Tensor,
+                         verify_meta: PageMetadata | None) -> Carry:
+        """The head over every verify row (own_tokens [B, K+1] or flat, target_hidden [B, K+1, H]), its output at
+        last_rows [B] alone: the carries."""
+        batch, width = target_hidden.shape[:2]
         if verify_meta is None:
             verify_meta = build_page_metadata([s.page_table.pages for s in seqs], [width] * batch,
-                                              [f + width for f in first], self.page_size, self.device)
+                                              [s.num_computed + width for s in seqs], self.page_size, self.device)
         meta = dataclasses.replace(verify_meta, output_rows=last_rows)
         out = self._run(own_tokens.flatten(), meta, last_rows, target_hidden.flatten(0, 1))
-        carry = Carry(out.logits, self._scored_hidden(out, last_rows))
-        counts = num_emitted.tolist()  # the step's host read, after the head's forward was launched
-        for row, (seq, start, count) in enumerate(zip(seqs, first, counts)):
-            self._states[seq.request_id] = DraftState(start + count, carry, row)
+        return Carry(out.logits, self._scored_hidden(out, last_rows))
+
+    def _hold(self, seqs: list[Sequence], carry: Carry, counts: list[int]) -> None:
+        """After a catch-up over verify rows: each request's cache holds its settled prefix and its emitted tokens'
+        positions (num_computed is still the verify's first position)."""
+        for row, (seq, count) in enumerate(zip(seqs, counts)):
+            self._states[seq.request_id] = DraftState(seq.num_computed + count, carry, row)
 
 
 CATCH_UP_SCHEDULES = ("accepted", "verified")  # EngineConfig.draft_catch_up
@@ -360,8 +387,9 @@ def speculative_decode(
 ) -> SpecOutput:
     """One draft-verify-accept round for decode requests whose page tables already hold K+1 more positions.
 
-    schedule: the drafter's catch-up, "accepted" (the engine runs it after settling) or "verified" (here, before the
-    host reads the outcome; an MTPDrafter's: the engine checks when the drafter is attached)."""
+    schedule: the drafter's catch-up, "accepted" (after the host has read the outcome: here for a head whose verify rows
+    had the target's forward alone, else by the engine once it has settled) or "verified" (here, before the host
+    reads the outcome; an MTPDrafter's: the engine checks when the drafter is attached)."""
     batch = len(seqs)
     start = time.perf_counter()
     draft_ids, draft_probs = drafter.propose(seqs, k, sampling, generators)  # [B, K], [B, K, V] | None
@@ -374,10 +402,11 @@ def speculative_decode(
     out, verify_meta = target_forward(verify_ids)
     target_logits = out.logits.view(batch, k + 1, -1)  # [B, K+1, V]
     hidden = out.hidden_states.view(batch, k + 1, -1)  # [B, K+1, H]
-    if draft_probs is None and schedule == "accepted":  # only the host reads the outcome: cut it there
+    verified = schedule == "verified"
+    emitted = None
+    if draft_probs is None and not verified:  # only the host reads the outcome: cut it there
         rows = greedy_accept(draft_ids, target_logits.argmax(-1))
-        return SpecOutput(rows, hidden, draft_time, time.perf_counter() - start, caught_up=False)
-    if draft_probs is None:
+    elif draft_probs is None:
         emitted, num_emitted = greedy_verify(draft_ids, target_logits.argmax(-1))
     else:
         repeat = lambda t: t.repeat_interleave(k + 1)  # noqa: E731 - per request -> per verified position
@@ -385,9 +414,14 @@ def speculative_decode(
                          repeat(sampling.top_p)).view(batch, k + 1, -1)  # [B, K+1, V]
         emitted, num_emitted = rejection_sample(draft_ids, draft_probs, p, generators)
     verify_time = time.perf_counter() - start
-    if schedule == "verified":
-        start = time.perf_counter()
+    start = time.perf_counter()
+    if verified:  # before the host reads the outcome
         drafter.catch_up_verified(seqs, verify_ids, emitted, num_emitted, hidden, verify_meta)
-        draft_time += time.perf_counter() - start
-    rows = [row[:n] for row, n in zip(emitted.tolist(), num_emitted.tolist())]
-    return SpecOutput(rows, hidden, draft_time, verify_time, caught_up=schedule == "verified")
+    if emitted is not None:
+        rows = [row[:n] for row, n in zip(emitted.tolist(), num_emitted.tolist())]
+    # The accepted schedule catches a head up here, on the verify forward's metadata, when the verify rows had that
+    # forward to themselves; otherwise the engine runs the catch-up over the accepted spans once it has settled them.
+    caught_up = verified or (verify_meta is not None and isinstance(drafter, MTPDrafter))
+    if caught_up and not verified:
+        drafter.catch_up_accepted(seqs, rows, hidden, verify_meta)
+    return SpecOutput(rows, hidden, draft_time + time.perf_counter() - start, verify_time, caught_up)

@@ -648,3 +648,50 @@ def test_verified_schedule_is_for_mtp_heads_only(stories_model):
     with pytest.raises(ValueError, match="draft_catch_up must be one of accepted, verified, got 'eager'"):
         Engine(stories_model, config=EngineConfig(draft_catch_up="eager", num_pages=8)).attach_drafter(
             "mtp", init_head_from_target(stories_model, "stories260K"))
+
+
+@pytest.mark.parametrize("k", [1, 3])
+def test_catch_up_on_the_verify_rows_drafts_as_over_the_accepted_spans(
+        stories_model, stories_tokenizer, untrained_head, workloads, monkeypatch, k):
+    """With the verify rows alone in the target's forward, the default schedule catches the head up over all K+1
+    verify rows on that forward's own page metadata: the drafter builds no metadata of its own after the prompts'
+    catch-up, and it drafts what a catch-up over the accepted spans drafts (the reference: the forward's metadata
+    withheld, as beside other requests' rows): the same outputs and accepted-length histogram on seeded T=1
+    requests. A broken control reading the carry at each request's last verify row instead of its last emitted one
+    drafts otherwise."""
+    import infer.engine as engine_module
+    import infer.speculative as speculative_module
+
+    prompts, greedy = workloads["mixed"]
+    params = [dataclasses.replace(p, temperature=1.0, seed=i) for i, p in enumerate(greedy)]
+    real_decode, real_build = engine_module.speculative_decode, speculative_module.build_page_metadata
+    builds = []
+
+    def run(*patches: tuple[object, str, object]) -> Run:
+        builds.clear()
+        with monkeypatch.context() as patch:
+            patch.setattr(speculative_module, "build_page_metadata", lambda *a: builds.append(1) or real_build(*a))
+            for target, name, value in patches:
+                patch.setattr(target, name, value)
+            engine = Engine(stories_model, stories_tokenizer, [2], EngineConfig(
+                num_draft_tokens=k, backend="torch", page_size=8, num_pages=128))
+            engine.attach_drafter("mtp", untrained_head)
+            return drive(engine, prompts, params)
+
+    verify_rows = run()
+    assert len(builds) == 1 and verify_rows.spec["verify_steps"] > 10  # the prompts' catch-up only
+    spans = run((engine_module, "speculative_decode",
+                 lambda forward, *args: real_decode(lambda ids: (forward(ids)[0], None), *args)))
+    assert len(builds) > 10  # the span path did run: a build per speculative step
+    assert verify_rows.outputs == spans.outputs and not verify_rows.violations and not spans.violations
+    assert verify_rows.spec["accepted_length_histogram"] == spans.spec["accepted_length_histogram"]
+    assert sum(spans.spec["accepted_length_histogram"][1:]) > 0, "no draft was ever accepted: a weak check"
+
+    real_rows = speculative_module.MTPDrafter._run_verify_rows
+
+    def last_verify_row(self, seqs, own_tokens, last_rows, target_hidden, verify_meta):
+        width = target_hidden.shape[1]
+        return real_rows(self, seqs, own_tokens, last_rows // width * width + width - 1, target_hidden, verify_meta)
+
+    broken = run((speculative_module.MTPDrafter, "_run_verify_rows", last_verify_row))
+    assert broken.spec["accepted_length_histogram"] != spans.spec["accepted_length_histogram"]
