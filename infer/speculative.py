@@ -421,7 +421,8 @@ def speculative_decode(
         rows = [row[:n] for row, n in zip(emitted.tolist(), num_emitted.tolist())]
     # The accepted schedule catches a head up here, on the verify forward's metadata, when the verify rows had that
     # forward to themselves; otherwise the engine runs the catch-up over the accepted spans once it has settled them.
-    caught_up = verified or (verify_meta is not None and isinstance(drafter, MTPDrafter))
-    if caught_up and not verified:
+    on_verify_rows = not verified and verify_meta is not None and isinstance(drafter, MTPDrafter)
+    if on_verify_rows:
         drafter.catch_up_accepted(seqs, rows, hidden, verify_meta)
-    return SpecOutput(rows, hidden, draft_time + time.perf_counter() - start, verify_time, caught_up)
+    return SpecOutput(rows, hidden, draft_time + time.perf_counter() - start, verify_time,
+                      caught_up=verified or on_verify_rows)
