@@ -8,9 +8,11 @@ Every figure is measured in the same run as its baseline (these machines are sha
 reported as a ratio. Without --spec: tokens/s of this runtime and of transformers' `generate` on the same
 prompts (greedy, fixed output length). With --spec: tokens/s with and without speculation, the speedup,
 tau (tokens per target step), and the ideal speedup predicted from the measured acceptance and the
-measured cost of a draft forward and a verify forward (`infer.speedup`), so that achieved / ideal is the share of
-the ideal the runtime's machinery keeps. The forwards are timed after each repeat's pair of runs; speedup, ideal and
-their ratio are medians over the repeats (each repeat against its own costs), tokens/s the fastest runs'.
+measured cost of a draft forward and a verify forward, timed in turns as a step runs them (`infer.speedup`), so
+that achieved / ideal is the share of the ideal the runtime's machinery keeps; *_alone prices each model's
+forwards timed back to back instead (each model alone in the caches: a bound no speculative step meets). The
+forwards are timed after each repeat's pair of runs; speedup, ideal and their ratio are medians over the repeats
+(each repeat against its own costs), tokens/s the fastest runs'.
 On a CPU a row also splits a step of the fastest runs into its model forwards and the host work around them
 (plain_host_ms, spec_forward_ms, spec_host_ms, per step): the host work is all the ideal leaves out, and
 spec_forward_ms against K * t_draft + t_verify is what the forwards lose inside a step (the first draft is the
@@ -127,13 +129,14 @@ def spec_row(plain: Engine, spec: Engine, batch: list[str], params: SamplingPara
     warm_up = SamplingParams(max_new_tokens=4, ignore_eos=True)
     timed_generate(plain, batch[:1], warm_up)
     timed_generate(spec, batch[:1], warm_up)
-    measured, between = timed_costs(spec, len(batch), params.max_new_tokens)
+    measured, between = timed_costs(spec, len(batch), params.max_new_tokens, alone=True)
     result = compare(plain, spec, batch, params, repeats, between)
     k = spec.num_draft_tokens
     context = cost_context([len(r.prompt_ids) for r in result.plain.requests], params.max_new_tokens)
     costs = ForwardCosts.fastest(measured)
     tau = result.stats["tau"]
     share = IdealShare.of(result, measured, k)
+    alone = IdealShare.of(result, [c.alone() for c in measured], k)  # each model's forwards priced back to back
     return {
         "temperature": params.temperature, "batch_size": len(batch), "k": k,
         "plain_tok_s": round(result.plain.tok_s, 1), "spec_tok_s": round(result.spec.tok_s, 1),
@@ -146,6 +149,8 @@ def spec_row(plain: Engine, spec: Engine, batch: list[str], params: SamplingPara
         "ideal_speedup": round(share.ideal, 3), "achieved_over_ideal": round(share.achieved_over_ideal, 3),
         "cost_context": context, "t_decode_ms": round(costs.decode * 1e3, 3), "t_draft_ms": round(costs.draft * 1e3, 3),
         "t_verify_ms": round(costs.verify * 1e3, 3),
+        "ideal_speedup_alone": round(alone.ideal, 3), "achieved_over_ideal_alone": round(alone.achieved_over_ideal, 3),
+        "t_draft_alone_ms": round(costs.draft_alone * 1e3, 3), "t_verify_alone_ms": round(costs.verify_alone * 1e3, 3),
         **result.step_split(),
     }
 

@@ -134,16 +134,33 @@ class _DecodeRun:
 
 @dataclass
 class ForwardCosts:
-    """Seconds of one forward at a batch size, behind the ideal speculative speedup (see infer.speedup)."""
+    """Seconds of one forward at a batch size, behind the ideal speculative speedup (see infer.speedup).
+
+    draft and verify are timed as a speculative step runs them, K drafts then the verify, cycle after cycle: the two
+    models take turns on the core's caches, as they would in a runtime with no host work at all. draft_alone and
+    verify_alone, where measured, are each model's forwards back to back (stories260K, batch 8: 1.05-1.18x
+    cheaper than in turns), the price the ideal took before."""
 
     decode: float  # the target over one new token per sequence
     draft: float  # the drafter over one new token per sequence
     verify: float  # the target over K+1 new tokens per sequence
+    draft_alone: float | None = None
+    verify_alone: float | None = None
+
+    def alone(self) -> "ForwardCosts":
+        """The same forwards priced back to back, each model alone."""
+        if self.draft_alone is None or self.verify_alone is None:
+            raise ValueError("these forward costs were measured in turns only (forward_costs(alone=True) times both)")
+        return ForwardCosts(self.decode, self.draft_alone, self.verify_alone)
 
     @classmethod
     def fastest(cls, measured: "Sequence[ForwardCosts]") -> "ForwardCosts":
         """Each forward's fastest over measurements taken at different times (noise only ever adds time)."""
-        return cls(*(min(getattr(c, name) for c in measured) for name in ("decode", "draft", "verify")))
+        def fastest_of(name: str) -> float | None:
+            values = [getattr(c, name) for c in measured]
+            return None if None in values else min(values)
+
+        return cls(*(fastest_of(name) for name in ("decode", "draft", "verify", "draft_alone", "verify_alone")))
 
 
 class Engine:
@@ -560,59 +577,34 @@ class Engine:
 
     # --- measurement ------------------------------------------------------------------------------
     def forward_costs(self, batch_size: int, context: int = 32, repeats: int = 10,
-                      num_draft_tokens: int | None = None) -> ForwardCosts:
+                      num_draft_tokens: int | None = None, alone: bool = False) -> ForwardCosts:
         """Each forward behind speculation over batch_size sequences with `context` tokens cached (pages borrowed
         from the pool, then returned); the verify forward is K+1 tokens long, K the engine's or `num_draft_tokens`.
 
-        All three are timed alike: the fastest of `repeats` bursts of `decode_run_steps` forwards, each burst's mean
-        (a plain decode burst is a decode run, its plan paid once, as the engine runs it; a draft or verify burst
-        repeats one forward). One forward's fastest time sits below the mean that successive forwards keep
-        (stories260K, batch 1, back to back: verify and draft forwards average 1.10x and 1.11x their fastest), so
-        timing draft and verify singly while decode is a run's mean would price speculation's forwards low against
-        plain decoding's.
+        All are timed alike: the fastest of `repeats` bursts, each burst's mean. A plain decode burst is a decode
+        run of `decode_run_steps` forwards, its plan paid once, as the engine runs it; a speculative burst is
+        `decode_run_steps` cycles of K draft forwards and a verify forward (`ForwardCosts`: the models take turns);
+        with `alone`, the draft and verify forwards are also timed in bursts of one forward repeated. One forward's
+        fastest time sits below the mean that successive forwards keep (stories260K, batch 1, back to back: verify
+        and draft forwards average 1.10x and 1.11x their fastest), so timing them singly while decode is a run's
+        mean would price speculation's forwards low against plain decoding's.
         """
         if self.drafter is None:
             raise RuntimeError("forward costs of speculation need a drafter attached")
         k = num_draft_tokens or self.num_draft_tokens
-        hidden = {"hidden_states": torch.zeros(batch_size, self.model.config.hidden_size, device=self.device,
-                                               dtype=self.drafter.runner.dtype)} if self.drafter.needs_hidden_states else {}
         burst = self.config.decode_run_steps
-        return ForwardCosts(decode=self._forward_cost(self.runner, batch_size, 1, context, repeats, burst, run=True),
-                            draft=self._forward_cost(self.drafter.runner, batch_size, 1, context, repeats, burst,
-                                                     **hidden),
-                            verify=self._forward_cost(self.runner, batch_size, k + 1, context, repeats, burst))
-
-    def _forward_cost(self, runner: ModelRunner, batch_size: int, q_len: int, context: int, repeats: int,
-                      burst: int, run: bool = False, **model_inputs) -> float:
-        """One forward's seconds: the fastest burst's mean; run (one-token forwards): a burst is a DecodeSteps run."""
         tables = [PageTable(self.pool) for _ in range(batch_size)]
         try:
             for table in tables:
-                table.extend(context + q_len + (burst - 1 if run else 0))
-            pages, page_size = [t.pages for t in tables], self.config.page_size
-            if not run:
-                single = build_page_metadata(pages, [q_len] * batch_size, [context + q_len] * batch_size, page_size,
-                                             self.device)
-
-            def metas() -> list[PageMetadata]:  # a fresh run each time: its first step plans it
-                if not run:
-                    return [single] * burst
-                steps = DecodeSteps(pages, [context] * batch_size, burst, page_size, self.device)
-                return [steps.step(j) for j in range(burst)]
-
-            ids = torch.ones(batch_size * q_len, dtype=torch.long, device=self.device)
-            rows = torch.arange(batch_size * q_len, device=self.device)
-            if "hidden_states" in model_inputs:  # [B, H] -> one row per new token
-                model_inputs = {"hidden_states": model_inputs["hidden_states"].repeat_interleave(q_len, dim=0)}
-            times = []
-            for repeat in range(repeats + 1):  # the fastest: noise on a shared machine only ever adds time
-                steps = metas()  # built outside the timing, as the engine builds them before the forward
-                start = time.perf_counter()
-                for meta in steps:
-                    runner.run(ids, meta, rows, **model_inputs)
-                if repeat:  # the first is a warm-up
-                    times.append((time.perf_counter() - start) / len(steps))
-            return min(times)
+                table.extend(context + max(k + 1, burst))
+            timed = _TimedForwards(self, [t.pages for t in tables], context, k)
+            decode = timed.fastest_burst(repeats, lambda: timed.decode_run(burst))
+            draft, verify = timed.in_turns(repeats, burst)
+            if not alone:
+                return ForwardCosts(decode, draft, verify)
+            return ForwardCosts(decode, draft, verify,
+                                draft_alone=timed.fastest_burst(repeats, lambda: timed.repeated(timed.draft, burst)),
+                                verify_alone=timed.fastest_burst(repeats, lambda: timed.repeated(timed.verify, burst)))
         finally:
             for table in tables:
                 table.free()
@@ -638,3 +630,69 @@ class Engine:
         if bar is not None:
             bar.close()
         return requests
+
+
+class _TimedForwards:
+    """The forwards `Engine.forward_costs` times, over borrowed page tables with `context` tokens cached: each
+    metadata built outside the timing, as the engine builds it before the forward."""
+
+    def __init__(self, engine: Engine, pages: list[list[int]], context: int, k: int) -> None:
+        self.engine, self.pages, self.context = engine, pages, context
+        batch, page_size, device = len(pages), engine.config.page_size, engine.device
+        self.draft_meta = build_page_metadata(pages, [1] * batch, [context + 1] * batch, page_size, device)
+        self.verify_meta = build_page_metadata(pages, [k + 1] * batch, [context + k + 1] * batch, page_size, device)
+        self.k = k
+        self.ids = {q_len: torch.ones(batch * q_len, dtype=torch.long, device=device) for q_len in (1, k + 1)}
+        self.rows = {q_len: torch.arange(batch * q_len, device=device) for q_len in (1, k + 1)}
+        drafter = engine.drafter
+        self.draft_inputs = {"hidden_states": torch.zeros(batch, engine.model.config.hidden_size, device=device,
+                                                          dtype=drafter.runner.dtype)} if drafter.needs_hidden_states else {}
+
+    def draft(self) -> None:
+        self.engine.drafter.runner.run(self.ids[1], self.draft_meta, self.rows[1], **self.draft_inputs)
+
+    def verify(self) -> None:
+        q_len = self.k + 1
+        self.engine.runner.run(self.ids[q_len], self.verify_meta, self.rows[q_len],
+                               aux_layers=self.engine.drafter.target_aux_layers)
+
+    def decode_run(self, steps: int) -> float:
+        """The mean seconds of a fresh decode run's forwards (its first step plans it)."""
+        engine = self.engine
+        run = DecodeSteps(self.pages, [self.context] * len(self.pages), steps, engine.config.page_size, engine.device)
+        metas = [run.step(j) for j in range(steps)]
+        start = time.perf_counter()
+        for meta in metas:
+            engine.runner.run(self.ids[1], meta, self.rows[1])
+        return (time.perf_counter() - start) / steps
+
+    @staticmethod
+    def repeated(forward, times: int) -> float:
+        start = time.perf_counter()
+        for _ in range(times):
+            forward()
+        return (time.perf_counter() - start) / times
+
+    @staticmethod
+    def fastest_burst(repeats: int, burst) -> float:
+        """The fastest of `repeats` bursts after a warm-up: noise on a shared machine only ever adds time."""
+        burst()
+        return min(burst() for _ in range(repeats))
+
+    def in_turns(self, repeats: int, cycles: int) -> tuple[float, float]:
+        """(draft, verify) seconds of the fastest of `repeats` bursts of `cycles` speculative cycles (K drafts, then
+        the verify), each forward timed on its own."""
+        best = None
+        for repeat in range(repeats + 1):  # the first is a warm-up
+            draft_s = verify_s = 0.0
+            for _ in range(cycles):
+                for _ in range(self.k):
+                    start = time.perf_counter()
+                    self.draft()
+                    draft_s += time.perf_counter() - start
+                start = time.perf_counter()
+                self.verify()
+                verify_s += time.perf_counter() - start
+            if repeat and (best is None or draft_s + verify_s < sum(best)):
+                best = (draft_s, verify_s)
+        return best[0] / (cycles * self.k), best[1] / cycles

@@ -8,8 +8,10 @@ Both `python -m infer.bench --spec` and `mtp_train.validate` measure with these 
 
         ideal = tau * t(decode) / (K * t(draft) + t(verify over K+1))
 
-    so that achieved / ideal is the share of the ideal the runtime keeps (`IdealShare`: the median over repeats of
-    each repeat's speedup over its own ideal);
+    the draft and verify forwards timed in turns, as a step runs them with nothing between them (`ForwardCosts`):
+    so that achieved / ideal is the share of the ideal the runtime's machinery keeps (`IdealShare`: the median over
+    repeats of each repeat's speedup over its own ideal), and what the two models cost each other in the core's
+    caches is the forwards' own cost, not the machinery's;
   - `recommend_k`: the chain length K that maximises the predicted speedup at a batch size, from the conditional
     acceptance per draft position (measured once at the largest K: chain drafting is the same up to any smaller K),
     the measured cost of a draft forward and of the verify forward at each K, and each step's measured overhead o:
@@ -138,16 +140,16 @@ def compare(plain: Engine, spec: Engine, prompts: Sequence, params: SamplingPara
                       list(zip(plain_runs, spec_runs)), spec.device.type == "cpu")
 
 
-def timed_costs(spec: Engine, batch_size: int, max_new_tokens: int,
-                repeats: int = 3) -> tuple[list[ForwardCosts], Callable[[Timed], None]]:
+def timed_costs(spec: Engine, batch_size: int, max_new_tokens: int, repeats: int = 3,
+                alone: bool = False) -> tuple[list[ForwardCosts], Callable[[Timed], None]]:
     """A `compare(between=...)` that times the forward costs after each pair of runs, at the runs' mean context
     (`cost_context`), into the list it returns: `IdealShare.of` prices each repeat by its own, `ForwardCosts.fastest`
-    of them is the costs to report."""
+    of them is the costs to report. alone: also each model's forwards back to back (`ForwardCosts.alone`)."""
     measured: list[ForwardCosts] = []
 
     def between(run: Timed) -> None:
         context = cost_context([len(r.prompt_ids) for r in run.requests], max_new_tokens)
-        measured.append(spec.forward_costs(batch_size, context, repeats))
+        measured.append(spec.forward_costs(batch_size, context, repeats, alone=alone))
 
     return measured, between
 
