@@ -674,16 +674,16 @@ class _TimedForwards:
         return (time.perf_counter() - start) / times
 
     @staticmethod
-    def fastest_burst(repeats: int, burst) -> float:
-        """The fastest of `repeats` bursts after a warm-up: noise on a shared machine only ever adds time."""
+    def fastest_burst(repeats: int, burst, key=None):
+        """The fastest of `repeats` bursts after a warm-up (by `key` where a burst returns several figures): noise
+        on a shared machine only ever adds time."""
         burst()
-        return min(burst() for _ in range(repeats))
+        return min((burst() for _ in range(repeats)), key=key)
 
     def in_turns(self, repeats: int, cycles: int) -> tuple[float, float]:
         """(draft, verify) seconds of the fastest of `repeats` bursts of `cycles` speculative cycles (K drafts, then
         the verify), each forward timed on its own."""
-        best = None
-        for repeat in range(repeats + 1):  # the first is a warm-up
+        def burst() -> tuple[float, float]:
             draft_s = verify_s = 0.0
             for _ in range(cycles):
                 for _ in range(self.k):
@@ -693,6 +693,6 @@ class _TimedForwards:
                 start = time.perf_counter()
                 self.verify()
                 verify_s += time.perf_counter() - start
-            if repeat and (best is None or draft_s + verify_s < sum(best)):
-                best = (draft_s, verify_s)
-        return best[0] / (cycles * self.k), best[1] / cycles
+            return draft_s / (cycles * self.k), verify_s / cycles
+
+        return self.fastest_burst(repeats, burst, key=lambda costs: self.k * costs[0] + costs[1])  # a cycle's time
