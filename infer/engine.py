@@ -632,6 +632,39 @@ class Engine:
         return requests
 
 
+class _Stopwatch:
+    """Seconds of forwards. The host clock on a CPU; on a GPU, CUDA events around the launches, read once a burst is
+    done: a forward returns at launch there, so the host clock would time launches, not kernels (and a
+    synchronize per forward would add a wait that no speculative step pays)."""
+
+    def __init__(self, device: torch.device) -> None:
+        self.cuda = device.type == "cuda"
+        self.spans: list = []
+
+    def measure(self, forwards) -> None:
+        """Run `forwards()` and keep its span."""
+        if self.cuda:
+            start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+            start.record()
+            forwards()
+            end.record()
+            self.spans.append((start, end))
+        else:
+            start = time.perf_counter()
+            forwards()
+            self.spans.append(time.perf_counter() - start)
+
+    def total(self) -> float:
+        """The kept spans' seconds, summed (on a GPU once its queue has run them); the watch starts afresh."""
+        if self.cuda:
+            torch.cuda.synchronize()
+            seconds = sum(start.elapsed_time(end) for start, end in self.spans) / 1e3
+        else:
+            seconds = sum(self.spans)
+        self.spans = []
+        return seconds
+
+
 class _TimedForwards:
     """The forwards `Engine.forward_costs` times, over borrowed page tables with `context` tokens cached: each
     metadata built outside the timing, as the engine builds it before the forward."""
@@ -639,6 +672,7 @@ class _TimedForwards:
     def __init__(self, engine: Engine, pages: list[list[int]], context: int, k: int) -> None:
         self.engine, self.pages, self.context = engine, pages, context
         batch, page_size, device = len(pages), engine.config.page_size, engine.device
+        self.watch = _Stopwatch(device)
         self.draft_meta = build_page_metadata(pages, [1] * batch, [context + 1] * batch, page_size, device)
         self.verify_meta = build_page_metadata(pages, [k + 1] * batch, [context + k + 1] * batch, page_size, device)
         self.k = k
@@ -661,17 +695,21 @@ class _TimedForwards:
         engine = self.engine
         run = DecodeSteps(self.pages, [self.context] * len(self.pages), steps, engine.config.page_size, engine.device)
         metas = [run.step(j) for j in range(steps)]
-        start = time.perf_counter()
-        for meta in metas:
-            engine.runner.run(self.ids[1], meta, self.rows[1])
-        return (time.perf_counter() - start) / steps
 
-    @staticmethod
-    def repeated(forward, times: int) -> float:
-        start = time.perf_counter()
-        for _ in range(times):
-            forward()
-        return (time.perf_counter() - start) / times
+        def forwards() -> None:
+            for meta in metas:
+                engine.runner.run(self.ids[1], meta, self.rows[1])
+
+        self.watch.measure(forwards)
+        return self.watch.total() / steps
+
+    def repeated(self, forward, times: int) -> float:
+        def forwards() -> None:
+            for _ in range(times):
+                forward()
+
+        self.watch.measure(forwards)
+        return self.watch.total() / times
 
     @staticmethod
     def fastest_burst(repeats: int, burst, key=None):
@@ -683,16 +721,13 @@ class _TimedForwards:
     def in_turns(self, repeats: int, cycles: int) -> tuple[float, float]:
         """(draft, verify) seconds of the fastest of `repeats` bursts of `cycles` speculative cycles (K drafts, then
         the verify), each forward timed on its own."""
+        drafts, verifies = _Stopwatch(self.engine.device), _Stopwatch(self.engine.device)
+
         def burst() -> tuple[float, float]:
-            draft_s = verify_s = 0.0
             for _ in range(cycles):
                 for _ in range(self.k):
-                    start = time.perf_counter()
-                    self.draft()
-                    draft_s += time.perf_counter() - start
-                start = time.perf_counter()
-                self.verify()
-                verify_s += time.perf_counter() - start
-            return draft_s / (cycles * self.k), verify_s / cycles
+                    drafts.measure(self.draft)
+                verifies.measure(self.verify)
+            return drafts.total() / (cycles * self.k), verifies.total() / cycles
 
         return self.fastest_burst(repeats, burst, key=lambda costs: self.k * costs[0] + costs[1])  # a cycle's time

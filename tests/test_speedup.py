@@ -6,6 +6,7 @@ import json
 import time
 
 import pytest
+import torch
 
 from infer.engine import Engine, EngineConfig, ForwardCosts
 from infer.model_runner import ModelRunner
@@ -195,6 +196,42 @@ def test_forward_costs_time_the_models_in_turns_as_a_step_runs_them(stories_mode
     with pytest.raises(ValueError, match="in turns only"):
         ForwardCosts(1.0, 1.0, 1.0).alone()
     assert ForwardCosts.fastest([costs, ForwardCosts(1.0, 1.0, 1.0)]).verify_alone is None
+
+
+def test_forward_costs_on_a_gpu_time_the_kernels_not_the_launches(monkeypatch):
+    """On a GPU a forward returns at launch: its cost is read from CUDA events around the launches once the queue
+    has run them (one synchronize a burst, none per forward). Here a fake device queue runs 0.5 s of kernels per
+    forward while the launch returns at once; the host clock (the CPU stopwatch, the broken control) sees only the
+    launches."""
+    from infer.engine import _Stopwatch  # noqa: PLC0415
+
+    device_time, syncs = [0.0], []
+
+    class QueuedEvent:  # records where the device queue stands; elapsed_time in ms, as torch.cuda.Event
+        def __init__(self, enable_timing: bool = False) -> None:
+            assert enable_timing
+            self.at = None
+
+        def record(self) -> None:
+            self.at = device_time[0]
+
+        def elapsed_time(self, end: "QueuedEvent") -> float:
+            assert syncs, "read before the queue ran"
+            return (end.at - self.at) * 1e3
+
+    def launch() -> None:  # 0.5 s of kernels queued, nothing waited for
+        device_time[0] += 0.5
+
+    monkeypatch.setattr(torch.cuda, "Event", QueuedEvent)
+    monkeypatch.setattr(torch.cuda, "synchronize", lambda *args: syncs.append(args))
+    gpu = _Stopwatch(torch.device("cuda"))
+    for _ in range(3):
+        gpu.measure(launch)
+    assert gpu.total() == pytest.approx(1.5) and len(syncs) == 1
+    assert gpu.total() == 0.0  # the watch starts afresh
+    cpu = _Stopwatch(torch.device("cpu"))
+    cpu.measure(launch)
+    assert cpu.total() < 0.05  # the control: the host clock times the launch alone
 
 
 def test_a_timed_run_splits_its_steps_into_forwards_and_host_work(stories_model, stories_tokenizer, monkeypatch):
