@@ -17,6 +17,10 @@ On a CPU a row also splits a step of the fastest runs into its model forwards an
 (plain_host_ms, spec_forward_ms, spec_host_ms, per step): the host work is all the ideal leaves out, and
 spec_forward_ms against K * t_draft + t_verify is what the forwards lose inside a step (the first draft is the
 catch-up over the verified positions, the verify's keys pad to the batch's longest).
+A batch's requests accept differently, so a batch ends in steps of a shrinking batch that the ideal (every step a
+full batch at the mean tau) does not price: spec_steps against steps_at_tau. *_with_tail prices each verify step at
+the batch it still held (the forward costs also timed at batch 1, linear between), so achieved_over_ideal_with_tail
+leaves the tail, which acceptance decides, out of the machinery's share.
 
 --tp T (under torchrun): every rank builds the same engines, each holding its shard; rank 0 measures and prints
 while the others run its steps. Without --spec the runtime alone is timed (transformers' model is not sharded).
@@ -40,8 +44,8 @@ from infer.loader import DTYPES
 from infer.parallel import attach_where_it_lives, current, init_tp, on_rank0, serve_forever, tp_main
 from infer.prompts import DEFAULT_PROMPTS, read_prompt_file
 from infer.sampling_params import SamplingParams
-from infer.speedup import (IdealShare, StepOverhead, compare, cost_context, recommend_k, timed_costs,
-                           timed_generate)
+from infer.speedup import (IdealShare, StepOverhead, compare, cost_context, ideal_speedup_with_tail,
+                           live_per_verify_step, recommend_k, timed_costs, timed_generate)
 
 
 def parse_ints(text: str, flag: str) -> list[int]:
@@ -130,13 +134,24 @@ def spec_row(plain: Engine, spec: Engine, batch: list[str], params: SamplingPara
     timed_generate(plain, batch[:1], warm_up)
     timed_generate(spec, batch[:1], warm_up)
     measured, between = timed_costs(spec, len(batch), params.max_new_tokens, alone=True)
-    result = compare(plain, spec, batch, params, repeats, between)
+    singles, between_single = timed_costs(spec, 1, params.max_new_tokens)  # the tail's price (below)
+
+    def between_both(run) -> None:
+        between(run)
+        if len(batch) > 1:  # at batch 1 the costs above are batch 1's
+            between_single(run)
+
+    result = compare(plain, spec, batch, params, repeats, between_both)
     k = spec.num_draft_tokens
     context = cost_context([len(r.prompt_ids) for r in result.plain.requests], params.max_new_tokens)
     costs = ForwardCosts.fastest(measured)
     tau = result.stats["tau"]
     share = IdealShare.of(result, measured, k)
     alone = IdealShare.of(result, [c.alone() for c in measured], k)  # each model's forwards priced back to back
+    live = live_per_verify_step(result.spec.requests)
+    with_tail = IdealShare.of_ideals(result, [
+        ideal_speedup_with_tail(live, params.max_new_tokens - 1, full, single, k)
+        for full, single in zip(measured, singles if len(batch) > 1 else measured)])
     return {
         "temperature": params.temperature, "batch_size": len(batch), "k": k,
         "plain_tok_s": round(result.plain.tok_s, 1), "spec_tok_s": round(result.spec.tok_s, 1),
@@ -150,6 +165,8 @@ def spec_row(plain: Engine, spec: Engine, batch: list[str], params: SamplingPara
         "cost_context": context, "t_decode_ms": round(costs.decode * 1e3, 3), "t_draft_ms": round(costs.draft * 1e3, 3),
         "t_verify_ms": round(costs.verify * 1e3, 3),
         "ideal_speedup_alone": round(alone.ideal, 3), "achieved_over_ideal_alone": round(alone.achieved_over_ideal, 3),
+        "ideal_speedup_with_tail": round(with_tail.ideal, 3),
+        "achieved_over_ideal_with_tail": round(with_tail.achieved_over_ideal, 3),
         "t_draft_alone_ms": round(costs.draft_alone * 1e3, 3), "t_verify_alone_ms": round(costs.verify_alone * 1e3, 3),
         **result.step_split(),
     }

@@ -113,11 +113,14 @@ class IdealShare:
     @classmethod
     def of(cls, result: Comparison, costs: Sequence[ForwardCosts], k: int) -> "IdealShare":
         """costs[i]: timed after result.pairs[i] (`timed_costs`)."""
-        if len(costs) != len(result.pairs):
-            raise ValueError(f"{len(costs)} forward-cost measurements for {len(result.pairs)} repeats")
-        tau = result.stats["tau"]
+        return cls.of_ideals(result, [ideal_speedup(result.stats["tau"], c, k) for c in costs])
+
+    @classmethod
+    def of_ideals(cls, result: Comparison, ideals: Sequence[float]) -> "IdealShare":
+        """ideals[i]: the ideal speedup at the forward costs timed after result.pairs[i]."""
+        if len(ideals) != len(result.pairs):
+            raise ValueError(f"{len(ideals)} forward-cost measurements for {len(result.pairs)} repeats")
         speedups = [spec.tok_s / plain.tok_s for plain, spec in result.pairs]
-        ideals = [ideal_speedup(tau, c, k) for c in costs]
         return cls(statistics.median(speedups), statistics.median(ideals),
                    statistics.median(s / i for s, i in zip(speedups, ideals)))
 
@@ -156,6 +159,30 @@ def timed_costs(spec: Engine, batch_size: int, max_new_tokens: int, repeats: int
 
 def ideal_speedup(tau: float, costs: ForwardCosts, k: int) -> float:
     return tau * costs.decode / (k * costs.draft + costs.verify)
+
+
+def live_per_verify_step(requests: Sequence[Request]) -> list[int]:
+    """The requests still speculating at each verify step of a batch that started together (one prefill step,
+    then every step speculating: request i verifies at steps 1..n_i, n_i its own verify steps)."""
+    steps = [r.spec_stats.verify_steps for r in requests]
+    return [sum(n >= step for n in steps) for step in range(1, max(steps, default=0) + 1)]
+
+
+def ideal_speedup_with_tail(live: Sequence[int], decode_steps: int, full: ForwardCosts, single: ForwardCosts,
+                            k: int) -> float:
+    """The ideal speedup of a batch whose requests accept differently: the plain batch's `decode_steps` decodes at
+    the full batch against each verify step priced at the batch it still held (`live_per_verify_step`), the forward
+    costs linear between batch 1 (`single`) and the full batch (`full`). A batch whose requests all take the same
+    steps at tau gets `ideal_speedup`; one that ends in a shrinking tail gets the tail's steps at their own price,
+    which no runtime machinery removes."""
+    size = live[0]
+
+    def step_cost(batch: int) -> float:
+        w = (batch - 1) / (size - 1) if size > 1 else 1.0
+        price = lambda name: (1 - w) * getattr(single, name) + w * getattr(full, name)  # noqa: E731
+        return k * price("draft") + price("verify")
+
+    return decode_steps * full.decode / sum(step_cost(batch) for batch in live)
 
 
 @dataclass

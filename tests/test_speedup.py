@@ -14,8 +14,9 @@ from infer.models.mtp_head import read_head_config
 from infer.sampling_params import SamplingParams
 from infer.speculative import SpecStats
 from infer.speedup import (
-    COST_CONTEXT, Comparison, IdealShare, StepOverhead, Timed, compare, cost_context, ideal_speedup, predicted_speedup,
-    predicted_tau, recommend_k, timed_costs, timed_generate,
+    COST_CONTEXT, Comparison, IdealShare, StepOverhead, Timed, compare, cost_context, ideal_speedup,
+    ideal_speedup_with_tail, live_per_verify_step, predicted_speedup, predicted_tau, recommend_k, timed_costs,
+    timed_generate,
 )
 from mtp_train.export import export_head, main
 
@@ -74,6 +75,39 @@ def test_ideal_share_prices_each_repeat_by_its_own_forward_costs():
     assert ForwardCosts.fastest(costs) == ForwardCosts(0.7, 0.2, 1.4)
     with pytest.raises(ValueError, match="2 forward-cost measurements for 3 repeats"):
         IdealShare.of(result, costs[:2], k)
+
+
+def test_the_ideal_with_tail_prices_each_verify_step_at_the_batch_it_still_held():
+    """Requests that verified 3, 2 and 1 times leave 3, 2, 1 speculating: each step is priced at its own batch, the
+    costs linear between batch 1 and the full batch. The mean-tau ideal (the broken control for such a batch) prices
+    every step at the full batch and misses the tail's steps; a batch whose requests all take the same steps gets
+    it exactly."""
+    from types import SimpleNamespace  # noqa: PLC0415
+
+    def batch(*verify_steps: int) -> list:
+        return [SimpleNamespace(spec_stats=SpecStats(2, verify_steps=n)) for n in verify_steps]
+
+    assert live_per_verify_step(batch(1, 3, 2)) == [3, 2, 1] and live_per_verify_step([]) == []
+    full, single, k = ForwardCosts(decode=1.0, draft=0.5, verify=2.0), ForwardCosts(0.6, 0.3, 1.0), 2
+    step = {3: 2 * 0.5 + 2.0, 2: 2 * 0.4 + 1.5, 1: 2 * 0.3 + 1.0}  # batch 2: halfway between 1 and 3
+    live = live_per_verify_step(batch(3, 2, 1))
+    assert ideal_speedup_with_tail(live, 8, full, single, k) == pytest.approx(8 * 1.0 / sum(step.values()))
+    tau = 3 * 8 / 6  # 8 tokens each over 6 verify steps
+    assert ideal_speedup(tau, full, k) > 1.1 * ideal_speedup_with_tail(live, 8, full, single, k)
+    flat = live_per_verify_step(batch(4, 4, 4))
+    assert ideal_speedup_with_tail(flat, 8, full, single, k) == pytest.approx(ideal_speedup(8 / 4, full, k))
+
+
+def test_a_request_counts_its_own_verify_steps(stories_model, stories_tokenizer):
+    """The per-request counts the tail is read from: with the target as its own drafter (greedy acceptance 1.0)
+    every request verifies in the same steps, the batch never shrinks, and the counts sum to the engine's."""
+    config = EngineConfig(num_draft_tokens=2, backend="torch", page_size=8, num_pages=32)
+    spec = Engine(stories_model, stories_tokenizer, [2], config)
+    spec.attach_drafter("draft", stories_model)
+    prompts = [stories_tokenizer.encode("Once upon a time"), stories_tokenizer.encode("Lily had a dog")]
+    run = timed_generate(spec, prompts, SamplingParams(max_new_tokens=10, ignore_eos=True))
+    assert live_per_verify_step(run.requests) == [2, 2, 2]  # 9 tokens after the prefill's, 3 a step
+    assert sum(r.spec_stats.verify_steps for r in run.requests) == spec.spec_stats.verify_steps == 6
 
 
 def test_export_carries_the_reports_recommendation_and_generate_uses_it(tmp_path, stories_model):
