@@ -289,6 +289,9 @@ def main(argv: list[str] | None = None) -> int:
         raise CliError(f"--max-new-tokens and --repeats must be >= 1, got {args.max_new_tokens}, {args.repeats}")
     if args.spec != "none" and args.draft is None:
         raise CliError(f"--spec {args.spec} needs --draft DIR")
+    if args.spec != "none" and args.max_new_tokens < 2:
+        raise CliError(f"--spec needs --max-new-tokens >= 2 (the prefill emits the first token, speculation starts "
+                       f"at the second), got {args.max_new_tokens}")
     prompts = read_prompt_file(args.prompts) if args.prompts else DEFAULT_PROMPTS
     torch.manual_seed(0)
     if args.arrivals < 0:

@@ -272,9 +272,11 @@ def check_arguments(k: int, max_new_tokens: int, batch_size: int, repeats: int,
         raise ValueError("no temperature to validate at: give at least one (e.g. 0 for greedy)")
     if not 1 <= k <= 16:
         raise ValueError(f"k (draft tokens per step) must be in 1..16, got {k}")
-    if max_new_tokens < 1 or batch_size < 1 or repeats < 1:
-        raise ValueError(f"max_new_tokens, batch_size and repeats must be >= 1, got {max_new_tokens}, {batch_size}, "
-                         f"{repeats}")
+    if max_new_tokens < 2:
+        raise ValueError(f"max_new_tokens must be >= 2 (the prefill emits the first token, speculation starts at the "
+                         f"second), got {max_new_tokens}")
+    if batch_size < 1 or repeats < 1:
+        raise ValueError(f"batch_size and repeats must be >= 1, got {batch_size}, {repeats}")
 
 
 def sampling_params(temperature: float, max_new_tokens: int, seed: int, count: int) -> list[SamplingParams]:

@@ -110,6 +110,18 @@ def test_a_request_counts_its_own_verify_steps(stories_model, stories_tokenizer)
     assert sum(r.spec_stats.verify_steps for r in run.requests) == spec.spec_stats.verify_steps == 6
 
 
+def test_bench_refuses_speculation_with_no_token_to_speculate_on(stories_hf_dir, tmp_path, capsys):
+    """One new token is the prefill's: there is no verify step to time, so --spec asks for two (one line, exit 2)
+    instead of dividing by a zero ideal."""
+    from infer.bench import main as bench_main  # noqa: PLC0415
+    from infer.cli import run_cli  # noqa: PLC0415
+
+    argv = ["--model", str(stories_hf_dir), "--spec", "mtp", "--draft", str(tmp_path), "--max-new-tokens", "1"]
+    assert run_cli(lambda: bench_main(argv)) == 2
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and "--max-new-tokens >= 2" in err and "got 1" in err
+
+
 def test_export_carries_the_reports_recommendation_and_generate_uses_it(tmp_path, stories_model):
     from infer.models.mtp_head import init_head_from_target, save_head  # noqa: PLC0415
 

@@ -160,6 +160,7 @@ def test_cli_hydra_overrides_name_target_and_head(stories_hf_dir, head_dir, tmp_
     ("missing_head", "head folder .* does not exist"),
     ("other_target", "trained against 'other'"),
     ("bad_override", "overrides"),
+    ("one_token", "max_new_tokens must be >= 2 .*speculation starts at the second"),
 ])
 def test_cli_user_mistakes_are_one_line_errors(stories_model, stories_hf_dir, tmp_path, capsys, case, message):
     other = copy.deepcopy(stories_model)
@@ -170,8 +171,9 @@ def test_cli_user_mistakes_are_one_line_errors(stories_model, stories_hf_dir, tm
         "missing_head": ["--target", str(stories_hf_dir), "--head", str(tmp_path / "nope")],
         "other_target": ["--target", str(stories_hf_dir), "--head", str(foreign)],
         "bad_override": ["--target", str(stories_hf_dir), "--head", str(foreign), "no_such_group=x"],
+        "one_token": ["--target", str(stories_hf_dir), "--head", str(foreign), "--max-new-tokens", "1"],
     }[case]
-    assert run_cli(lambda: main([*argv, "--out", str(tmp_path / "out"), *FAST])) == 2
+    assert run_cli(lambda: main(["--out", str(tmp_path / "out"), *FAST, *argv])) == 2  # argv's flags win
     err = capsys.readouterr().err
     assert err.count("\n") == 1 and err.startswith("error: ")
     import re
