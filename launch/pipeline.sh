@@ -4,13 +4,14 @@
 #   2. self-distil: the target writes stories from BOS through infer/ (half at T=1, half at T=0.7; seeded);
 #   3. precompute the target's features through infer/ (sharded safetensors + manifest), with the three layers an
 #      EAGLE-3 head fuses;
-#   4. train each head on the same features with DeepSpeed under torchrun (2 processes on CPU, gloo): TTT unroll
-#      of 4 steps, the recipe of conf/model/stories260k.yaml, fp32 weights with the linear layers in bf16
-#      (trainer.autocast: this CPU's bf16 matmuls are 4.5x faster, its bf16 attention slower);
+#   4. train each head on the same features with DeepSpeed under torchrun (gloo on a CPU): TTT unroll of 4 steps,
+#      the recipe of conf/model/stories260k.yaml at 16 records a step, fp32 weights with the linear layers in bf16
+#      (trainer.autocast: this CPU's bf16 matmuls are 4.5x faster, its bf16 attention slower); on a CPU the heads
+#      train side by side, one process each on the 2-core CPU (below); each head's output goes to OUT/run-HEAD.log;
 #   5. validate each in infer/ (speculative decoding on 64 held-out story openings x 128 tokens: conditional
 #      acceptance per position, tau, speedup, the trainer's per-step top-1 on the same text);
 #   6. export each head in the runtime format (EAGLE-3 also as eagle3 and speculators), with its recommended K;
-#   7. print the heads side by side.
+#   7. print the heads' figures side by side.
 # HEADS="mtp eagle3 eagle1" adds the EAGLE-1 ablation on the same features.
 #
 #   launch/pipeline.sh                          # defaults below; every variable can be overridden
@@ -24,11 +25,19 @@ MODEL=$OUT/stories260K
 STORIES=${STORIES:-3000}       # self-distilled stories from BOS (half at T=1, half at T=0.7)
 STEPS=${STEPS:-}               # optimizer steps per head (default: conf/model/stories260k.yaml)
 HEADS=${HEADS:-mtp eagle3}     # heads to train on the same features: mtp, eagle3, eagle1
-NPROC=${NPROC:-2}              # torchrun processes
+BATCH=${BATCH:-16}             # records per optimizer step of a head, over all its processes (the recipe's global batch)
+JOBS=${JOBS:-}                 # heads trained at once (default: on a CPU, one per core; on GPUs, one)
+NPROC=${NPROC:-}               # torchrun processes per head (default: on a CPU, its cores / JOBS; else every GPU)
 K=${K:-4}                      # draft tokens per step when validating
 THREADS=${THREADS:-1}          # torch threads per process: tiny models run best on one
 AUTOCAST=${AUTOCAST:-true}     # heads' linear layers in bf16 (trainer.autocast); false on a CPU without bf16 matmuls
 export OMP_NUM_THREADS=$THREADS
+for head in $HEADS; do  # before the stages that take minutes
+  if [ ! -f "conf/head/$head.yaml" ]; then
+    echo "pipeline: HEADS has '$head'; the heads are: $(cd conf/head && ls *.yaml | sed 's/\.yaml$//' | tr '\n' ' ')" >&2
+    exit 2
+  fi
+done
 if ! command -v nvidia-smi >/dev/null 2>&1; then export DS_ACCELERATOR=cpu; fi
 start=$(date +%s)
 stamp() { echo "== [$(( $(date +%s) - start ))s] $*"; }
@@ -48,8 +57,10 @@ DATA_T07=$OUT/data/stories_t07.jsonl
 mkdir -p "$OUT/data"
 # The two halves run side by side, one process (and one thread) each, as many as the machine has cores for: on the
 # 2-core CPU the self-distillation then takes the time of its longer half. A failing half stops the pipeline; the
-# other is stopped with it (each writes its file whole, by rename, or not at all).
-trap 'kill $(jobs -p) 2>/dev/null || true' EXIT
+# other is stopped with it (each writes its file whole, by rename, or not at all; kill_jobs stops a job's processes).
+kill_tree() { local child; for child in $(pgrep -P "$1" || true); do kill_tree "$child"; done; kill "$1" 2>/dev/null || true; }
+kill_jobs() { local job; for job in $(jobs -rp); do kill_tree "$job"; done; }
+trap kill_jobs EXIT
 half_pids=()
 if [ ! -f "$DATA_T1" ]; then
   stamp "self-distil $HALF stories from BOS at T=1 (in the background)"
@@ -69,27 +80,74 @@ stamp "precompute features"
 python -m data_tools.precompute output_dir="$OUT/features" model.path="$MODEL" data=stories260k \
   "data.paths=[$DATA_T1,$DATA_T07]" precompute.dtype=float32 head=eagle3 precompute.overwrite=true
 
+# Each head: trained, validated in infer/ (speculative decoding on 64 held-out story openings x 128 tokens), exported
+# in the runtime's format with its recommended K per batch size. The default MTP / EAGLE-1 heads read the target's
+# pre-norm state, so no vLLM/SGLang layout serves them as they are; an EAGLE-3 head also exports as eagle3 (SGLang)
+# and speculators (vLLM) (mtp_train.export --help says which head each format takes).
+build_head() {
+  local head=$1 run=$OUT/run-$1
+  local formats=(runtime)
+  if [ "$head" = eagle3 ]; then formats+=(eagle3 speculators); fi
+  stamp "train the $head head ($NPROC process(es) x $MICRO records a step; log: $OUT/run-$head.log)" >&3
+  NPROC_PER_NODE=$NPROC launch/train.sh model.path="$MODEL" features_dir="$OUT/features" data=stories260k \
+    head="$head" output_dir="$run" trainer.dtype=float32 trainer.autocast="$AUTOCAST" trainer.progress=false \
+    trainer.eval_every=0 trainer.micro_batch_size="$MICRO" trainer.grad_accum=1 validate.enabled=false "${steps[@]}"
+  stamp "validate the $head head in infer/" >&3
+  python -m mtp_train.validate --target "$MODEL" --head "$run/head" --run-dir "$run" --out "$run/validation" \
+    --num-draft-tokens "$K" --threads "$THREADS"
+  for format in "${formats[@]}"; do
+    python -m mtp_train.export --head "$run/head" --format "$format" --out "$run/export-$format" --target "$MODEL" \
+      --report "$run/validation/report.json" --overwrite
+  done
+  stamp "the $head head is done" >&3
+}
+
+# Heads side by side: on a CPU each head trains in its own processes, JOBS at a time, rather than one after another
+# on all cores. Data-parallel ranks wait at every step for the slower one, and a bigger micro batch spreads a step's
+# fixed costs: on the 2-core CPU (first 40-60 steps of each) an mtp and an eagle3 training of one process and 16
+# records a step moved 5.3k + 5.8k tokens/s side by side, one two-process mtp training of 8 + 8 records 7.7k (the
+# same global batch of BATCH records, the same recipe). On GPUs, one head at a time on all of them.
+heads=($HEADS)
+if command -v nvidia-smi >/dev/null 2>&1; then
+  JOBS=${JOBS:-1}
+else
+  cores=$(env -u OMP_NUM_THREADS -u OMP_THREAD_LIMIT nproc)  # nproc obeys OMP_NUM_THREADS, set above
+  JOBS=${JOBS:-$(( ${#heads[@]} < cores ? ${#heads[@]} : cores ))}
+  NPROC=${NPROC:-$(( cores / JOBS > 0 ? cores / JOBS : 1 ))}
+fi
+NPROC=${NPROC:-$( (nvidia-smi -L 2>/dev/null || true) | grep -c '^GPU' || true)}
+if [ "$NPROC" -lt 1 ] || [ $(( BATCH % NPROC )) -ne 0 ]; then
+  echo "pipeline: BATCH=$BATCH records a step must split evenly over NPROC=$NPROC processes per head" >&2
+  exit 2
+fi
+MICRO=$(( BATCH / NPROC ))
 steps=()
 if [ -n "$STEPS" ]; then steps=(trainer.max_steps="$STEPS"); fi
-for head in $HEADS; do
-  RUN=$OUT/run-$head
-  stamp "train the $head head ($NPROC processes)"
-  NPROC_PER_NODE=$NPROC launch/train.sh model.path="$MODEL" features_dir="$OUT/features" data=stories260k \
-    head="$head" output_dir="$RUN" trainer.dtype=float32 trainer.autocast="$AUTOCAST" trainer.progress=false trainer.eval_every=0 \
-    validate.enabled=false "${steps[@]}"
-  stamp "validate the $head head in infer/"
-  python -m mtp_train.validate --target "$MODEL" --head "$RUN/head" --run-dir "$RUN" --out "$RUN/validation" \
-    --num-draft-tokens "$K" --threads "$THREADS"
-  # The runtime's own format, with the recommended K per batch size: the default MTP / EAGLE-1 heads read the
-  # target's pre-norm state, so no vLLM/SGLang layout serves them as they are; an EAGLE-3 head also exports as
-  # eagle3 (SGLang) and speculators (vLLM) (mtp_train.export --help says which head each format takes).
-  formats=(runtime)
-  if [ "$head" = eagle3 ]; then formats+=(eagle3 speculators); fi
-  for format in "${formats[@]}"; do
-    python -m mtp_train.export --head "$RUN/head" --format "$format" --out "$RUN/export-$format" --target "$MODEL" \
-      --report "$RUN/validation/report.json" --overwrite
-  done
+exec 3>&1  # the stamps of the heads' jobs reach the console; the rest of their output goes to their logs
+declare -A job_of
+stopped=false  # a head failed: the others are stopped, none is started
+for head in "${heads[@]}"; do
+  while [ "$(jobs -rp | wc -l)" -ge "$JOBS" ]; do wait -n || { stopped=true; break 2; }; done
+  build_head "$head" > "$OUT/run-$head.log" 2>&1 &
+  job_of[$head]=$!
 done
+while ! $stopped && [ "$(jobs -rp | wc -l)" -gt 0 ]; do wait -n || stopped=true; done
+if $stopped; then kill_jobs; fi
+failed=()
+for head in "${heads[@]}"; do
+  status=0
+  if [ -z "${job_of[$head]:-}" ]; then status=-1; else wait "${job_of[$head]}" || status=$?; fi
+  if [ "$status" -eq 0 ]; then continue; fi
+  failed+=("$head")
+  if [ "$status" -gt 0 ] && [ "$status" -ne 143 ]; then  # 143: stopped after another head failed
+    echo "pipeline: the $head head failed (exit $status); the end of $OUT/run-$head.log:" >&2
+    tail -n 30 "$OUT/run-$head.log" >&2
+  fi
+done
+if [ "${#failed[@]}" -gt 0 ]; then
+  echo "pipeline: stopped; heads not built: ${failed[*]}" >&2
+  exit 1
+fi
 
 stamp "done"
 python - "$OUT" $HEADS <<'EOF'

@@ -48,6 +48,7 @@ class TrainerConfig:
     device: str = field(default="auto", metadata=one_of("auto", "cpu", "cuda"))
     progress: bool = True
     log_every: int = field(default=10, metadata=at_least(1))
+    pad_tokens_to: int = field(default=256, metadata=at_least(1))  # a micro batch's tokens: a multiple (data.pad_tokens)
 
 
 @dataclass

@@ -79,7 +79,7 @@ class Trainer:
         train_ids, eval_ids = split_records(len(dataset), cfg.eval_records, cfg.seed)
         self.draft_vocab = self.choose_draft_vocab(dataset, train_ids, eval_ids)
         self.micro_batches = MicroBatches(dataset, train_ids, t.micro_batch_size, t.seq_len, cfg.seed, self.rank,
-                                          self.world)
+                                          self.world, t.pad_tokens_to)
         self.eval_set = eval_batches(dataset, eval_ids, t.micro_batch_size, t.seq_len, self.rank, self.world)
         self.identity = self.run_identity(dataset.manifest)
 
@@ -142,7 +142,7 @@ class Trainer:
             loss_sum += loss.detach().float() / (self.world * accum)
             totals += stats
         self.step += 1
-        tokens = torch.tensor(float(sum(b.num_tokens for b in batches)), device=self.device)
+        tokens = torch.tensor(float(sum(b.record_tokens for b in batches)), device=self.device)
         reduced = distributed.all_reduce_sum(torch.cat((loss_sum[None], tokens[None], totals.flatten())))
         counts = norms * self.world * accum
         record = {"split": "train", "step": self.step, "loss": reduced[0].item(), "lr": self.zero_head.lr,

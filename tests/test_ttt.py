@@ -22,7 +22,7 @@ from infer.models.mtp_head import init_head_from_target
 from infer.sampler import SamplingTensors
 from infer.sampling_params import SamplingParams
 from infer.speculative import DRAFTERS
-from mtp_train.data import PackedBatch, unroll_plan
+from mtp_train.data import PackedBatch, pad_tokens, unroll_plan
 from mtp_train.ttt import chain_attention
 from mtp_train.unroll import LossWeights, UnrolledHead, per_step_means, unrolled_steps
 from tests.test_eagle3 import fit_to_text
@@ -89,6 +89,35 @@ def fitted(request, stories_model, text):
         _, stats = objective(batch, counts)
         logits = [head.compute_logits(out.hidden_states) for _, out in unrolled_steps(head, batch, K)]
     return request.param, head, batch, per_step_means(stats, counts), logits
+
+
+def test_padding_a_batch_to_a_token_multiple_changes_no_loss_stat_or_gradient(fitted, stories_model, text):
+    """The trainer pads each micro batch to a multiple of trainer.pad_tokens_to tokens (a grid of sizes keeps the host
+    heap from fragmenting): the padding sequence must train nothing. Control: the same padding with its loss mask
+    set does change the loss, so the comparison can see a sequence that trains."""
+    _, head, batch, _, _ = fitted
+    head.requires_grad_(True)  # the fixture's head is frozen; given back so below
+    objective = UnrolledHead(head, stories_model.model.norm.weight, 1e-5, K, LossWeights(kl=1.0, ce=1.0, tv=1.0))
+    counts = torch.tensor([float(len(text) - 1 - k) for k in range(K)])
+
+    def loss_stats_grads(b: PackedBatch):
+        head.zero_grad()
+        loss, stats = objective(b, counts)
+        loss.backward()
+        return loss.detach(), stats, [p.grad.clone() for p in head.parameters() if p.requires_grad]
+
+    padded = pad_tokens(batch, 64)
+    assert padded.num_tokens % 64 == 0 and padded.num_tokens > batch.num_tokens  # 120 tokens -> 128
+    assert padded.record_tokens == batch.num_tokens and padded.record_ids == batch.record_ids
+    loss, stats, grads = loss_stats_grads(batch)
+    p_loss, p_stats, p_grads = loss_stats_grads(padded)
+    assert torch.allclose(p_loss, loss, rtol=1e-5) and torch.allclose(p_stats, stats, rtol=1e-5)
+    assert all(torch.allclose(a, b, rtol=1e-4, atol=1e-7) for a, b in zip(p_grads, grads))
+    trained = PackedBatch(padded.input_ids, padded.hidden_states, torch.ones_like(padded.loss_mask), padded.seq_lens,
+                          padded.record_ids, padded.aux_hidden_states)  # control: the padding's tokens trained
+    assert not torch.allclose(loss_stats_grads(trained)[0], loss, rtol=1e-3)
+    head.zero_grad(set_to_none=True)
+    head.requires_grad_(False)
 
 
 class Seq:
