@@ -1,9 +1,10 @@
 """Micro batches from precomputed features, and the index plan of the multi-step unroll.
 
-A micro batch packs `micro_batch_size` records (each cut to `seq_len` tokens) without padding. Its n-th
-micro batch on a rank is a pure function of (seed, n): epoch n // per_epoch of an `EpochSampler`, slice
-n % per_epoch. The trainer asks for micro batch step * grad_accum + a, so a resumed run, which knows only its
-step count, reads exactly the records the uninterrupted run would have read.
+A micro batch packs `micro_batch_size` records (each cut to `seq_len` tokens) back to back, then one loss-masked
+padding sequence up to a multiple of `trainer.pad_tokens_to` tokens (`pad_tokens`). Its n-th micro batch on a rank
+is a pure function of (seed, n): epoch n // per_epoch of an `EpochSampler`, slice n % per_epoch of every rank's
+order, dealt among the ranks by tokens (`deal_by_tokens`). The trainer asks for micro batch step * grad_accum + a,
+so a resumed run, which knows only its step count, reads exactly the records the uninterrupted run would have read.
 
 The shift (record of L tokens t_0..t_{L-1}, stored target states h_0..h_{L-1}; h_j predicts t_{j+1}):
   unroll step k = 0..K-1, head position i = 0..L-2-k (L-1-k positions):
@@ -19,6 +20,7 @@ i, as the runtime's drafter does (mtp_train.ttt); a step's anchors are a prefix 
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -164,13 +166,9 @@ def pad_tokens(batch: PackedBatch, multiple: int) -> PackedBatch:
     """One more sequence, of zeros and never trained (loss_mask False; not in record_ids), that takes the batch to a
     multiple of `multiple` tokens.
 
-    Why: a step's activations are allocated at the batch's token count, and a count that differs at every step
-    fragments glibc's heap, which then grows and slows every step. Measured on the 2-core CPU (stories260K, the 8x
-    MTP head under autocast, 16 records of 75-388 tokens a step, one process): unpadded, a step went from 1.10 to
-    1.30 s over 50 steps with the heap at 1.2 GB and growing (a pipeline's training fell from 5.1k to 3.9k tokens/s
-    over its 700 steps, its process at 8 GB); padded to a multiple of 256 (2.4% more tokens), 0.85-0.95 s a step
-    and 1.05 GB throughout, as one batch repeated (0.95 s, 0.4 GB). Returning freed pages to the OS
-    (malloc_trim) held the heap but not the step time."""
+    Why: a step's activations are allocated at the batch's token count, and a count new at every step fragments
+    glibc's heap, which then grows and slows every step (one process on the 2-core CPU: 1.10 -> 1.30 s a step over 50
+    steps unpadded; padded to 256, a flat 0.85-0.95 s, as one batch repeated; docs/benchmark_history.md)."""
     extra = -batch.num_tokens % multiple
     if extra == 0:
         return batch
@@ -180,27 +178,52 @@ def pad_tokens(batch: PackedBatch, multiple: int) -> PackedBatch:
                        batch.record_ids, aux)
 
 
+def deal_by_tokens(shares: list[list[int]], num_tokens: Callable[[int], int]) -> list[list[int]]:
+    """One global micro batch dealt again: each rank keeps as many records as its round-robin share, and the ranks'
+    token counts come out as even as greedy gets (longest record first, each to the rank with the fewest tokens that
+    still has room; ties to the lowest rank). A pure function of the shares, so every rank deals alike.
+
+    Why: data-parallel ranks wait at every step for the one with the most tokens. On the pipeline's stories (75-388
+    tokens, 8 records a rank) round robin leaves the heaviest rank 3.5% above the mean at two ranks and 8.3% at
+    eight (simulated over 2,000 batches); dealt, 0.5% and 0.9%. Chat data's lengths spread far wider."""
+    sizes = [len(share) for share in shares]
+    pool = sorted(((num_tokens(i), -p, i) for p, i in enumerate(x for share in shares for x in share)), reverse=True)
+    dealt: list[list[tuple[int, int]]] = [[] for _ in shares]  # (position in the shares, record) per rank
+    load = [0] * len(shares)
+    for tokens, neg_pos, record in pool:
+        rank = min((r for r in range(len(shares)) if len(dealt[r]) < sizes[r]), key=lambda r: (load[r], r))
+        dealt[rank].append((-neg_pos, record))
+        load[rank] += tokens
+    return [[record for _, record in sorted(mine)] for mine in dealt]
+
+
 class MicroBatches:
-    """This rank's n-th training micro batch, for any n (epochs follow one another, each reshuffled)."""
+    """This rank's n-th training micro batch, for any n (epochs follow one another, each reshuffled): the ranks'
+    n-th round-robin shares of the epoch's order, dealt by tokens (`deal_by_tokens`)."""
 
     def __init__(self, dataset: FeatureDataset, indices: list[int], micro_batch_size: int, seq_len: int, seed: int,
                  rank: int, world_size: int, pad_to: int = 1) -> None:
-        self.dataset, self.indices, self.pad_to = dataset, indices, pad_to
+        self.dataset, self.indices, self.pad_to, self.rank = dataset, indices, pad_to, rank
         self.micro_batch_size, self.seq_len = micro_batch_size, seq_len
-        self.sampler = EpochSampler(len(indices), seed=seed, rank=rank, world_size=world_size, drop_last=True)
-        self.per_epoch = len(self.sampler) // micro_batch_size
+        self.samplers = [EpochSampler(len(indices), seed=seed, rank=r, world_size=world_size, drop_last=True)
+                         for r in range(world_size)]
+        self.per_epoch = len(self.samplers[0]) // micro_batch_size
         if self.per_epoch < 1:
             raise FeatureError(f"{len(indices)} training records cannot give each of {world_size} ranks a micro batch "
                                f"of {micro_batch_size}")
-        self._epoch, self._order = -1, []
+        self._epoch, self._orders = -1, []
 
     def __call__(self, n: int) -> PackedBatch:
         epoch, j = divmod(n, self.per_epoch)
         if epoch != self._epoch:
-            self.sampler.set_epoch(epoch)
-            self._epoch, self._order = epoch, list(self.sampler)
-        chosen = self._order[j * self.micro_batch_size : (j + 1) * self.micro_batch_size]
-        return collate(self.dataset, [self.indices[i] for i in chosen], self.seq_len, self.pad_to)
+            for sampler in self.samplers:
+                sampler.set_epoch(epoch)
+            self._epoch, self._orders = epoch, [list(sampler) for sampler in self.samplers]
+        size = self.micro_batch_size
+        shares = [[self.indices[i] for i in order[j * size : (j + 1) * size]] for order in self._orders]
+        tokens = lambda i: min(self.dataset.num_tokens(i), self.seq_len)  # noqa: E731 - as collate cuts them
+        mine = deal_by_tokens(shares, tokens)[self.rank] if len(shares) > 1 else shares[0]
+        return collate(self.dataset, mine, self.seq_len, self.pad_to)
 
 
 def eval_batches(dataset: FeatureDataset, indices: list[int], micro_batch_size: int, seq_len: int, rank: int,
