@@ -44,8 +44,8 @@ from infer.loader import DTYPES
 from infer.parallel import attach_where_it_lives, current, init_tp, on_rank0, serve_forever, tp_main
 from infer.prompts import DEFAULT_PROMPTS, read_prompt_file
 from infer.sampling_params import SamplingParams
-from infer.speedup import (IdealShare, StepOverhead, compare, cost_context, ideal_speedup_with_tail,
-                           live_per_verify_step, recommend_k, timed_costs, timed_generate)
+from infer.speedup import (SPEC_MIN_NEW_TOKENS, IdealShare, StepOverhead, compare, cost_context,
+                           ideal_speedup_with_tail, live_per_verify_step, recommend_k, timed_costs, timed_generate)
 
 
 def parse_ints(text: str, flag: str) -> list[int]:
@@ -289,9 +289,9 @@ def main(argv: list[str] | None = None) -> int:
         raise CliError(f"--max-new-tokens and --repeats must be >= 1, got {args.max_new_tokens}, {args.repeats}")
     if args.spec != "none" and args.draft is None:
         raise CliError(f"--spec {args.spec} needs --draft DIR")
-    if args.spec != "none" and args.max_new_tokens < 2:
-        raise CliError(f"--spec needs --max-new-tokens >= 2 (the prefill emits the first token, speculation starts "
-                       f"at the second), got {args.max_new_tokens}")
+    if args.spec != "none" and args.max_new_tokens < SPEC_MIN_NEW_TOKENS:
+        raise CliError(f"--spec needs --max-new-tokens >= {SPEC_MIN_NEW_TOKENS} (the prefill emits the first token, "
+                       f"speculation starts at the second), got {args.max_new_tokens}")
     prompts = read_prompt_file(args.prompts) if args.prompts else DEFAULT_PROMPTS
     torch.manual_seed(0)
     if args.arrivals < 0:

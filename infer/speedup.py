@@ -35,6 +35,7 @@ from infer.engine import Engine, ForwardCosts, Request
 from infer.kv_cache import pages_needed
 from infer.sampling_params import SamplingParams
 
+SPEC_MIN_NEW_TOKENS = 2  # a request's first new token comes from its prefill; speculation verifies from the second
 COST_CONTEXT = 32  # the fewest cached tokens behind the timed single forwards (engines are sized for at least this)
 
 

@@ -186,15 +186,16 @@ def deal_by_tokens(shares: list[list[int]], num_tokens: Callable[[int], int]) ->
     Why: data-parallel ranks wait at every step for the one with the most tokens. On the pipeline's stories (75-388
     tokens, 8 records a rank) round robin leaves the heaviest rank 3.5% above the mean at two ranks and 8.3% at
     eight (simulated over 2,000 batches); dealt, 0.5% and 0.9%. Chat data's lengths spread far wider."""
+    flat = [record for share in shares for record in share]
+    tokens = [num_tokens(record) for record in flat]
     sizes = [len(share) for share in shares]
-    pool = sorted(((num_tokens(i), -p, i) for p, i in enumerate(x for share in shares for x in share)), reverse=True)
-    dealt: list[list[tuple[int, int]]] = [[] for _ in shares]  # (position in the shares, record) per rank
+    dealt: list[list[int]] = [[] for _ in shares]  # positions in `flat`, per rank
     load = [0] * len(shares)
-    for tokens, neg_pos, record in pool:
+    for p in sorted(range(len(flat)), key=lambda p: (-tokens[p], p)):  # longest first
         rank = min((r for r in range(len(shares)) if len(dealt[r]) < sizes[r]), key=lambda r: (load[r], r))
-        dealt[rank].append((-neg_pos, record))
-        load[rank] += tokens
-    return [[record for _, record in sorted(mine)] for mine in dealt]
+        dealt[rank].append(p)
+        load[rank] += tokens[p]
+    return [[flat[p] for p in sorted(mine)] for mine in dealt]
 
 
 class MicroBatches:

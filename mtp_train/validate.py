@@ -43,7 +43,7 @@ from infer.parallel import group_of, init_tp, on_rank0, serve_forever, tp_main, 
 from infer.prompts import VALIDATION_PROMPTS, read_prompt_file
 from infer.sampling_params import SamplingParams
 from infer.speedup import (
-    TIMING_TOKENS, Comparison, IdealShare, TimingEngines, compare, cost_context,
+    SPEC_MIN_NEW_TOKENS, TIMING_TOKENS, Comparison, IdealShare, TimingEngines, compare, cost_context,
     recommend_k_by_batch, timed_costs, timed_generate, timing_context, timing_engines,
 )
 from mtp_train.data import PackedBatch, step_token_counts, unroll_plan
@@ -272,9 +272,9 @@ def check_arguments(k: int, max_new_tokens: int, batch_size: int, repeats: int,
         raise ValueError("no temperature to validate at: give at least one (e.g. 0 for greedy)")
     if not 1 <= k <= 16:
         raise ValueError(f"k (draft tokens per step) must be in 1..16, got {k}")
-    if max_new_tokens < 2:
-        raise ValueError(f"max_new_tokens must be >= 2 (the prefill emits the first token, speculation starts at the "
-                         f"second), got {max_new_tokens}")
+    if max_new_tokens < SPEC_MIN_NEW_TOKENS:
+        raise ValueError(f"max_new_tokens must be >= {SPEC_MIN_NEW_TOKENS} (the prefill emits the first token, "
+                         f"speculation starts at the second), got {max_new_tokens}")
     if batch_size < 1 or repeats < 1:
         raise ValueError(f"batch_size and repeats must be >= 1, got {batch_size}, {repeats}")
 
