@@ -58,7 +58,7 @@ class AttentionBackend(Protocol):
 
 def kv_rows(slots: torch.Tensor, page_size: int) -> torch.Tensor:
     """Token slots [..., N] (page * page_size + offset) -> rows of a K/V cache's flat view [..., 2N]: K rows, then
-    V rows (per leading index: a DecodeSteps run's [S, B] slots give each step's [S, 2B] rows).
+    V rows (the keys a group reads; the new tokens' rows come listed in `PageMetadata.cache_rows`).
 
     A [pages, 2, page_size, ...] cache viewed flat puts K of page p at rows 2p * page_size + offset and V one
     page_size further. MLA caches ([pages, page_size, ...]) are indexed by the slots themselves.
@@ -114,6 +114,26 @@ def kv_buckets(seqs: list[int], kv_lens: list[int]) -> list[list[int]]:
     return groups if sum(map(padded, groups)) <= KV_BUCKET_GAIN * padded(seqs) else [seqs]
 
 
+_MASK_TEMPLATES: dict[tuple[torch.dtype, torch.device], torch.Tensor] = {}
+
+
+def additive_mask(visible: torch.Tensor, width: int, dtype: torch.dtype) -> torch.Tensor:
+    """visible [...] key counts (each at least 1) -> [..., width] additive mask rows: `visible` zeros, then -inf.
+
+    One index_select of rows cut from a constant template (M zeros, then M times -inf; the row for c keys starts at
+    M - c), where comparing positions and filling a mask costs three ops: a step's plan is op-bound here."""
+    key = (dtype, visible.device)
+    template = _MASK_TEMPLATES.get(key)
+    if template is None or template.shape[0] < 2 * width:
+        half = max(256, width, 0 if template is None else template.shape[0])
+        template = torch.zeros(2 * half, dtype=dtype, device=visible.device)
+        template[half:] = float("-inf")
+        _MASK_TEMPLATES[key] = template
+    half = template.shape[0] // 2
+    rows = template.unfold(0, width, 1).index_select(0, torch.rsub(visible, half).flatten())
+    return rows.view(*visible.shape, width)
+
+
 SHORT_QUERIES = 8  # query lengths up to this (decodes, verify rows, catch-ups) share one padded group
 MIRROR_BYTES = 256 << 20  # the most a backend keeps in mirrored keys and values (_Mirror)
 MIRROR_SLACK = 64  # positions a new mirror holds past the longest sequence: it is gathered anew when one outgrows it
@@ -157,22 +177,22 @@ class _Group:
         else:
             if seqs is not None:
                 self.rows = self.out_rows = (qo_start[:, None] + q_pos).flatten()
-            kv_first = kv_lens_t - q_len
+            kv_first = None if q_len == 1 else kv_lens_t - q_len
         # Prompts with nothing cached (a fresh prefill, the feature precompute): SDPA's causal kernel over the chunk's
         # own keys; no cache read, no explicit mask (a padded query's keys are garbage rows past its chunk, its
         # output dropped).
         self.fresh = q_len > 1 and all(kv == q for kv, q in zip(kv_lens, q_lens))
-        self.set_mask(None)
+        self.visible, self.step, self._sdpa_masks = None, None, {}
         if self.fresh:
             return
         max_kv = max(kv_lens)
-        kv_pos = torch.arange(max_kv, device=device)
         self._kv_start, self._kv_indices = kv_start, meta.kv_indices  # for read_slots, built only if a layer gathers
         self.read_shape = (self.num_seqs, max_kv)
-        # Causal mask: query j of sequence b sits at position kv_len - q_len + j and sees keys up to it.
-        if q_len > 1 or min(kv_lens) < max_kv:
-            visible_to = kv_first[:, None] + q_pos[None, :]  # [n, q_len]
-            self.set_mask((kv_pos[None, None, :] <= visible_to[:, :, None])[:, None])  # [n, 1, q_len, max_kv]
+        # Causal: query j of sequence b sits at position kv_len - q_len + j and sees the keys up to it.
+        if kv_first is None and min(kv_lens) < max_kv:
+            self.set_visible(kv_lens_t[:, None])
+        elif kv_first is not None:
+            self.set_visible(kv_first[:, None] + torch.arange(1, q_len + 1, device=device))
 
     @cached_property
     def kv_read(self) -> torch.Tensor:
@@ -200,26 +220,28 @@ class _Group:
             return out.transpose(1, 2)[self.q_valid]
         return out.transpose(1, 2).reshape(-1, *out.shape[1:2], out.shape[-1])
 
-    def set_mask(self, mask: torch.Tensor | None) -> None:
-        """A new boolean mask (a decode run's next step): the SDPA masks built from the old one are dropped."""
-        self.mask = mask
-        self._sdpa_masks: dict[tuple[torch.dtype, int], torch.Tensor] = {}
+    def set_visible(self, visible: torch.Tensor | None, step: int | None = None) -> None:
+        """The keys each query row sees: visible [n, q_len] counts (the first ones of its sequence), None: all keys;
+        a decode run's [S, n, 1] for all its steps, with the step this forward is. The SDPA masks built from
+        another `visible` are dropped; a run's are built once for all its steps."""
+        if visible is not self.visible:
+            self._sdpa_masks = {}
+        self.visible, self.step = visible, step
 
     def sdpa_mask(self, dtype: torch.dtype, group_size: int) -> torch.Tensor | None:
-        """`mask` as SDPA takes it cheapest, built once per step and reused by every layer: additive (0 / -inf) in
-        the queries' dtype (SDPA converts a boolean mask on every call), rows repeated for the query heads folded
-        into them (see attend_cached; a decode's one row broadcasts)."""
-        if self.mask is None:
+        """The mask as SDPA takes it cheapest, built once per step (or decode run) and reused by every layer:
+        additive (0 / -inf) in the queries' dtype (SDPA converts a boolean mask on every call), rows repeated for the
+        query heads folded into them (see attend_cached; a decode's one row broadcasts): [n, 1, rows, max_kv]."""
+        if self.visible is None:
             return None
         built = self._sdpa_masks.get((dtype, group_size))
         if built is None:
-            mask = self.mask
-            if self.q_len > 1:  # [n, 1, q_len, kv] -> [n, 1, q_len * G, kv], row j * G + g
-                n, _, q_len, kv = mask.shape
-                mask = mask[:, :, :, None].expand(n, 1, q_len, group_size, kv).reshape(n, 1, q_len * group_size, kv)
-            built = torch.full(mask.shape, float("-inf"), dtype=dtype, device=mask.device).masked_fill_(mask, 0.0)
+            visible = self.visible
+            if self.q_len > 1:  # [n, q_len] -> [n, q_len * G], row j * G + g
+                visible = visible[..., None].expand(*visible.shape, group_size).flatten(-2)
+            built = additive_mask(visible, self.read_shape[1], dtype)[..., None, :, :]
             self._sdpa_masks[(dtype, group_size)] = built
-        return built
+        return built if self.step is None else built[self.step]
 
     def attend_cached(self, q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, scale: float) -> torch.Tensor:
         """q [T, H, Dk] packed, keys [n, Hkv, max_kv, Dk], values [n, Hkv, max_kv, Dv] -> [sum q_lens, H, Dv].
@@ -278,23 +300,30 @@ class _Mirror:
         self.blocks: dict[int, torch.Tensor] = {}  # layer cache data_ptr -> its block
         self.unkept: set[int] = set()  # layers past MIRROR_BYTES: they gather every forward
         self.bytes = 0
+        self._offsets: dict[int, torch.Tensor] = {}  # kv_heads -> [2, Hkv] each head's first row, K then V
+        self._starts: dict[tuple[int, ...], torch.Tensor] = {}  # q_lens -> [T] each token's sequence's first row
 
-    def serves(self, first_pages: torch.Tensor, max_kv: int) -> bool:
-        return (max_kv <= self.capacity and first_pages.shape == self.first_pages.shape
-                and torch.equal(first_pages, self.first_pages))
+    def holds(self, first_pages: torch.Tensor) -> bool:
+        """Whether it mirrors these sequences, in this order."""
+        return first_pages.shape == self.first_pages.shape and torch.equal(first_pages, self.first_pages)
 
     def rows(self, q_lens: list[int], positions: torch.Tensor, kv_heads: int) -> torch.Tensor:
         """Each sequence's new tokens (q_lens, packed) at their positions [T] -> the rows of their keys, then of their
         values, in a block's flat [2 * n * Hkv * capacity, D] view: [2, T, Hkv] (one token each: positions may be
-        [S, B], S steps of a run -> [2, S, B, Hkv])."""
+        [S, B], S steps of a run -> [2, S, B, Hkv]). What depends only on the mirror's layout is built once."""
         head_rows = self.capacity * kv_heads  # one sequence's rows
-        if len(q_lens) == positions.shape[-1]:  # one token each
-            starts = torch.arange(0, len(q_lens) * head_rows, head_rows, device=positions.device)
-        else:
+        offsets = self._offsets.get(kv_heads)
+        if offsets is None:
+            heads = torch.arange(0, head_rows, self.capacity, device=positions.device)  # [Hkv]
+            offsets = self._offsets[kv_heads] = torch.stack((heads, heads + len(q_lens) * head_rows))
+        key = tuple(q_lens)
+        starts = self._starts.get(key)
+        if starts is None:
             starts = torch.tensor([b * head_rows for b, q_len in enumerate(q_lens) for _ in range(q_len)],
                                   device=positions.device)
-        k_rows = (starts + positions)[..., None] + torch.arange(0, head_rows, self.capacity, device=positions.device)
-        return torch.stack((k_rows, k_rows + len(q_lens) * head_rows))
+            self._starts[key] = starts
+        token_rows = starts + positions  # [T] or [S, B]
+        return offsets.view(2, *[1] * token_rows.dim(), kv_heads) + token_rows[..., None]
 
     def gather(self, flat: torch.Tensor, group: "_Group") -> torch.Tensor | None:
         """A layer's first read: its keys gathered from the cache (this forward's tokens are in it already) into a
@@ -341,11 +370,12 @@ class TorchAttention:
 
     def plan(self, meta: PageMetadata) -> None:
         # Caches are read and written through flat views with index_copy_/index_select (one kernel each, far
-        # cheaper than multi-dimensional indexing); the rows are derived on the step's first layer (kv_rows for the
-        # writes, _Group.kv_read / read_slots for the reads), so a model pays only for the cache layout it has.
+        # cheaper than multi-dimensional indexing); the writes' rows come with the metadata (cache_rows), the reads'
+        # are derived on the step's first layer that gathers (_Group.kv_read / read_slots), so a model pays only for
+        # the cache layout it has.
         self.page_size = meta.page_size
-        self.write_slots = meta.slot_mapping
-        self.kv_write = self.mirror_write = self._mirror_tokens = self.output_rows = None
+        self.write_slots, self.kv_write = meta.slot_mapping, meta.cache_rows
+        self.mirror_write = self._mirror_tokens = self.output_rows = None
         if meta.decode_run is not None:
             self._plan_decode_step(meta)
             return
@@ -383,10 +413,12 @@ class TorchAttention:
 
     def _keep_mirror(self, meta: PageMetadata, max_kv: int) -> _Mirror:
         """The mirror of this forward's sequences: the one kept, or a new one (its blocks gathered by the layers)."""
-        first_pages = _first_pages(meta)
-        if self._mirror is None or not self._mirror.serves(first_pages, max_kv):
-            capacity = -(-(max_kv + MIRROR_SLACK) // self.page_size) * self.page_size
-            self._mirror = _Mirror(first_pages, capacity)
+        first_pages, mirror = _first_pages(meta), self._mirror
+        held = mirror is not None and mirror.holds(first_pages)
+        if not held or max_kv > mirror.capacity:
+            # outgrown by the same sequences: twice the longest, so a batch that decodes on regathers a few times
+            capacity = max(max_kv + MIRROR_SLACK, 2 * max_kv if held else 0)
+            self._mirror = _Mirror(first_pages, -(-capacity // self.page_size) * self.page_size)
         return self._mirror
 
     def _plan_decode_step(self, meta: PageMetadata) -> None:
@@ -400,14 +432,10 @@ class TorchAttention:
             self._run = run
             last = run.step(run.num_steps - 1)
             self._run_group = _Group(last, None, [1] * last.batch_size, last.on_host().kv_lens.tolist())
-            max_kv = self._run_group.read_shape[1]
-            kv_pos = torch.arange(max_kv, device=meta.positions.device)
-            self._run_masks = (kv_pos < run.kv_lens[:, :, None])[:, :, None, None, :]  # [S, B, 1, 1, max_kv]
-            self._run_writes = kv_rows(run.slots, run.page_size)  # [S, 2B]
+            self._run_visible = run.kv_lens[:, :, None]  # [S, B, 1]: the run's masks are built once
             self._run_mirror = None
         group = self._run_group
-        group.set_mask(self._run_masks[meta.decode_step])
-        self.kv_write = self._run_writes[meta.decode_step]
+        group.set_visible(self._run_visible, meta.decode_step)
         self.groups = [group]
         if self._mirror is None or self._mirror is not self._run_mirror:  # the run's mirror serves all its steps
             # another mirror: the run's rows in its blocks are built anew, by the first layer that writes into it
@@ -435,7 +463,7 @@ class TorchAttention:
         if isinstance(self._mirror_tokens[0], DecodeSteps):
             run, step = self._mirror_tokens
             if self._run_mirror_writes is None:
-                self._run_mirror_writes = self._mirror.rows([1] * run.slots.shape[1], run.kv_lens - 1, kv_heads)
+                self._run_mirror_writes = self._mirror.rows([1] * run.batch_size, run.positions, kv_heads)
             return self._run_mirror_writes[:, step].flatten()  # [2, S, B, Hkv] -> step's [2 * B * Hkv]
         return self._mirror.rows(*self._mirror_tokens, kv_heads).flatten()
 
@@ -449,8 +477,6 @@ class TorchAttention:
     def attend(
         self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, kv_cache: torch.Tensor, scale: float
     ) -> torch.Tensor:
-        if self.kv_write is None:  # the step's first K/V layer
-            self.kv_write = kv_rows(self.write_slots, self.page_size)
         kv = torch.cat((k, v)).to(kv_cache.dtype)  # [2T, Hkv, D]
         flat = write_kv(kv_cache, self.kv_write, kv)
         if self.output_rows is not None:
@@ -525,7 +551,6 @@ class FlashInferAttention:
         # FlashInfer bakes sm_scale into the plan; the first layer's call completes it (all layers share it).
         self._meta = meta
         self._planned_scale = None
-        self.kv_write = None
 
     def _ensure_planned(self, scale: float) -> None:
         if self._planned_scale == scale:
@@ -554,9 +579,7 @@ class FlashInferAttention:
         self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, kv_cache: torch.Tensor, scale: float
     ) -> torch.Tensor:
         self._ensure_planned(scale)
-        if self.kv_write is None:
-            self.kv_write = kv_rows(self._meta.slot_mapping, self._meta.page_size)
-        write_kv(kv_cache, self.kv_write, torch.cat((k, v)).to(kv_cache.dtype))
+        write_kv(kv_cache, self._meta.cache_rows, torch.cat((k, v)).to(kv_cache.dtype))
         return self.wrapper.run(q.contiguous(), kv_cache)
 
     def attend_mla(

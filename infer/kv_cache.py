@@ -107,6 +107,8 @@ class PageMetadata:
       kv_lens          [B]   int32  KV length after this step's tokens are appended
       positions        [T]   int64  position of every new token
       slot_mapping     [T]   int64  page * page_size + offset where every new token's KV goes
+      cache_rows       [2T]  int64  the rows of a [pages, 2, page_size, ...] cache's flat view where the new tokens'
+                                    K go, then their V (`infer.attention.kv_rows` of slot_mapping, listed with it)
     A step of a `DecodeSteps` run names it (decode_run, decode_step): a backend may plan the whole run at once.
     A step may want one output per sequence (output_rows, [B] rows of the packed batch, each attending at its own
     position); a backend that computes those rows alone says so in its own `output_rows`.
@@ -120,6 +122,7 @@ class PageMetadata:
     kv_lens: torch.Tensor
     positions: torch.Tensor
     slot_mapping: torch.Tensor
+    cache_rows: torch.Tensor
     page_size: int
     max_q_len: int
     max_kv_len: int
@@ -155,30 +158,38 @@ def build_page_metadata(
     kv_indices = list(itertools.chain.from_iterable(pages[:n] for pages, n in zip(page_lists, used)))
     if max(q_lens) == 1:  # decodes: the one new token sits at kv_len - 1
         positions = [kv_len - 1 for kv_len in kv_lens]
-        slots = [pages[pos // page_size] * page_size + pos % page_size for pages, pos in zip(page_lists, positions)]
+        page_offsets = [(pages[pos // page_size], pos % page_size) for pages, pos in zip(page_lists, positions)]
+        slots = [page * page_size + offset for page, offset in page_offsets]
+        k_rows = [2 * page * page_size + offset for page, offset in page_offsets]
     else:
-        positions, slots = [], []
+        positions, slots, k_rows = [], [], []
         for pages, q_len, kv_len in zip(page_lists, q_lens, kv_lens):
             first = kv_len - q_len  # slot = pages[pos // page_size] * page_size + pos % page_size, page by page
             positions.extend(range(first, kv_len))
             for page in range(first // page_size, (kv_len - 1) // page_size + 1):
+                start, end = max(first, page * page_size), min(kv_len, (page + 1) * page_size)
                 shift = (pages[page] - page) * page_size
-                slots.extend(range(shift + max(first, page * page_size), shift + min(kv_len, (page + 1) * page_size)))
+                slots.extend(range(shift + start, shift + end))
+                k_shift = (2 * pages[page] - page) * page_size  # K rows: page p's rows start at 2p * page_size
+                k_rows.extend(range(k_shift + start, k_shift + end))
     # Two buffers (torch.tensor walks a list element by element, several times slower than array): the int32 indices
-    # and the int64 positions and slots, each cut into views (an int32 buffer, not a cast of an int64 one: 0.6x the
-    # build at batch 1). The tensors share (and keep alive) the arrays.
+    # and the int64 positions, slots and cache rows, each cut into views (an int32 buffer, not a cast of an int64 one:
+    # 0.6x the build at batch 1). The tensors share (and keep alive) the arrays. The cache rows are listed here, where
+    # the five tensor ops of kv_rows would cost a forward's plan more.
     index_fields = ([0, *itertools.accumulate(q_lens)], [0, *itertools.accumulate(used)], kv_indices,
                     [kv_len - (n - 1) * page_size for kv_len, n in zip(kv_lens, used)], kv_lens)
     flat32 = torch.frombuffer(array.array("i", itertools.chain(*index_fields)), dtype=torch.int32)
-    flat64 = torch.frombuffer(array.array("q", itertools.chain(positions, slots)), dtype=torch.int64)
+    flat64 = torch.frombuffer(array.array("q", itertools.chain(positions, slots, k_rows,
+                                                               (row + page_size for row in k_rows))), dtype=torch.int64)
 
     def cut(flat32: torch.Tensor, flat64: torch.Tensor) -> PageMetadata:
         qo_indptr, kv_indptr, kv_indices_t, last_page_len, kv_lens_t = flat32.split_with_sizes(
             [len(f) for f in index_fields])
-        positions_t, slots_t = flat64.split_with_sizes([len(positions), len(slots)])
+        positions_t, slots_t, cache_rows = flat64.split_with_sizes([len(positions), len(slots), 2 * len(slots)])
         return PageMetadata(
             qo_indptr=qo_indptr, kv_indptr=kv_indptr, kv_indices=kv_indices_t, kv_last_page_len=last_page_len,
-            kv_lens=kv_lens_t, positions=positions_t, slot_mapping=slots_t, page_size=page_size, max_q_len=max(q_lens),
+            kv_lens=kv_lens_t, positions=positions_t, slot_mapping=slots_t, cache_rows=cache_rows,
+            page_size=page_size, max_q_len=max(q_lens),
             max_kv_len=max(kv_lens),
         )
 
@@ -195,40 +206,47 @@ class DecodeSteps:
 
     Draft forwards are such a run, and so are the plain decode steps of a batch that does not change (the engine's
     decode runs): step j writes position first[b] + j of every sequence, so positions advance by one and kv lengths
-    follow. Every step's fields are listed here in one pass and cut from two buffers (as in
-    `build_page_metadata`, without a host read): [S, B] for positions, slots and lengths, S steps; `step(j)` then only
-    slices them. Each step equals what `build_page_metadata` gives for it.
+    follow. Every step's fields are listed here in one pass, each step's laid out one after another in two buffers
+    (as in `build_page_metadata`, without a host read) and cut by one split per buffer, so that `step(j)` only picks
+    its pieces: a run of one or two draft forwards is built as cheaply as one step's metadata. The run's kv lengths and
+    positions also come whole ([S, B], S steps) for a backend that plans the run at once. Each step equals what
+    `build_page_metadata` gives for it.
     """
 
     def __init__(self, page_lists: list[list[int]], first_positions: list[int], num_steps: int, page_size: int,
                  device: torch.device) -> None:
         batch = len(first_positions)
-        positions = [[first + j for first in first_positions] for j in range(num_steps)]
-        used = [[pos // page_size + 1 for pos in row] for row in positions]  # pages covering kv_len = pos + 1
-        kv_indices = [list(itertools.chain.from_iterable(pages[:n] for pages, n in zip(page_lists, row))) for row in used]
-        fields32 = (list(range(batch + 1)),  # qo_indptr, shared by the steps
-                    [i for row in used for i in (0, *itertools.accumulate(row))],  # kv_indptr [S, B+1]
-                    [pos % page_size + 1 for row in positions for pos in row],  # kv_last_page_len [S, B]
-                    [pos + 1 for row in positions for pos in row],  # kv_lens [S, B]
-                    list(itertools.chain.from_iterable(kv_indices)))
-        slots = [pages[pos // page_size] * page_size + pos % page_size
-                 for row in positions for pages, pos in zip(page_lists, row)]
+        steps32: list[list[int]] = []  # per step: kv_indptr, kv_last_page_len, kv_lens, kv_indices
+        steps64: list[list[int]] = []  # per step: positions, slot_mapping, cache_rows
+        for j in range(num_steps):
+            positions = [first + j for first in first_positions]
+            used = [pos // page_size + 1 for pos in positions]  # pages covering kv_len = pos + 1
+            page_offsets = [(pages[pos // page_size], pos % page_size) for pages, pos in zip(page_lists, positions)]
+            k_rows = [2 * page * page_size + offset for page, offset in page_offsets]
+            steps32 += ([0, *itertools.accumulate(used)], [offset + 1 for _, offset in page_offsets],
+                        [pos + 1 for pos in positions],
+                        list(itertools.chain.from_iterable(pages[:n] for pages, n in zip(page_lists, used))))
+            steps64 += (positions, [page * page_size + offset for page, offset in page_offsets],
+                        k_rows + [row + page_size for row in k_rows])
+        # the buffers: qo_indptr (shared by the steps) and the run's kv lengths, then each step's fields; the run's
+        # positions, then each step's
+        fields32 = [list(range(batch + 1)), [kv for step in steps32[2::4] for kv in step], *steps32]
+        fields64 = [[pos for step in steps64[0::3] for pos in step], *steps64]
         flat32 = torch.frombuffer(array.array("i", itertools.chain(*fields32)), dtype=torch.int32)
-        flat64 = torch.frombuffer(array.array("q", itertools.chain(*positions, slots)), dtype=torch.int64)
+        flat64 = torch.frombuffer(array.array("q", itertools.chain(*fields64)), dtype=torch.int64)
+        sizes32, sizes64 = [len(f) for f in fields32], [len(f) for f in fields64]
 
-        def cut(flat32: torch.Tensor, flat64: torch.Tensor) -> dict[str, torch.Tensor | tuple[torch.Tensor, ...]]:
-            qo_indptr, kv_indptr, last_page_len, kv_lens, indices = flat32.split_with_sizes([len(f) for f in fields32])
-            positions_t, slots_t = flat64.view(2, num_steps, batch).unbind()  # [S, B] each
-            return dict(qo_indptr=qo_indptr, kv_indptr=kv_indptr.view(num_steps, batch + 1),
-                        kv_indices=indices.split_with_sizes([len(row) for row in kv_indices]),  # S pieces
-                        kv_last_page_len=last_page_len.view(num_steps, batch), kv_lens=kv_lens.view(num_steps, batch),
-                        positions=positions_t, slot_mapping=slots_t)
+        def cut(flat32: torch.Tensor, flat64: torch.Tensor) -> tuple[list[torch.Tensor], list[torch.Tensor]]:
+            return flat32.split_with_sizes(sizes32), flat64.split_with_sizes(sizes64)
 
         self._host = cut(flat32, flat64)
         on_cpu = torch.device(device).type == "cpu"
         self._fields = self._host if on_cpu else cut(flat32.to(device), flat64.to(device))  # two copies
-        self.kv_lens, self.slots = self._fields["kv_lens"], self._fields["slot_mapping"]  # [S, B]
-        self.first_max, self.page_size, self.num_steps = max(first_positions), page_size, num_steps
+        pieces32, pieces64 = self._fields
+        self.kv_lens = pieces32[1].view(num_steps, batch)  # [S, B]
+        self.positions = pieces64[0].view(num_steps, batch)  # [S, B]
+        self.first_max, self.page_size, self.num_steps, self.batch_size = (max(first_positions), page_size, num_steps,
+                                                                           batch)
 
     def step(self, j: int) -> PageMetadata:
         meta = self._step(self._fields, j)
@@ -236,10 +254,12 @@ class DecodeSteps:
             meta.host = self._step(self._host, j)
         return meta
 
-    def _step(self, fields: dict, j: int) -> PageMetadata:
+    def _step(self, fields: tuple[list[torch.Tensor], list[torch.Tensor]], j: int) -> PageMetadata:
+        pieces32, pieces64 = fields
+        kv_indptr, last_page_len, kv_lens, kv_indices = pieces32[2 + 4 * j : 6 + 4 * j]
+        positions, slots, cache_rows = pieces64[1 + 3 * j : 4 + 3 * j]
         return PageMetadata(
-            qo_indptr=fields["qo_indptr"], kv_indptr=fields["kv_indptr"][j], kv_indices=fields["kv_indices"][j],
-            kv_last_page_len=fields["kv_last_page_len"][j], kv_lens=fields["kv_lens"][j],
-            positions=fields["positions"][j], slot_mapping=fields["slot_mapping"][j], page_size=self.page_size,
+            qo_indptr=pieces32[0], kv_indptr=kv_indptr, kv_indices=kv_indices, kv_last_page_len=last_page_len,
+            kv_lens=kv_lens, positions=positions, slot_mapping=slots, cache_rows=cache_rows, page_size=self.page_size,
             max_q_len=1, max_kv_len=self.first_max + j + 1, decode_run=self, decode_step=j,
         )

@@ -204,6 +204,9 @@ def test_page_metadata_matches_a_per_token_reference(page_size):
     assert meta.positions.tolist() == positions
     assert meta.slot_mapping.tolist() == slots
     assert len(set(slots)) == len(slots)  # no two new tokens write the same slot
+    # the cache rows: K of slot s at 2 * (s // page_size) * page_size + s % page_size, its V a page_size further
+    k_rows = [2 * (s // page_size) * page_size + s % page_size for s in slots]
+    assert meta.cache_rows.tolist() == k_rows + [r + page_size for r in k_rows]
 
 
 # --- DecodeSteps ----------------------------------------------------------------------------------------------------
@@ -226,7 +229,7 @@ def test_decode_steps_equal_a_fresh_build_at_every_step(page_size):
         got = plan.step(j)
         want = build_page_metadata(page_lists, [1] * len(firsts), [f + j + 1 for f in firsts], page_size, CPU)
         for name in ("qo_indptr", "kv_indptr", "kv_indices", "kv_last_page_len", "kv_lens", "positions",
-                     "slot_mapping"):
+                     "slot_mapping", "cache_rows"):
             a, b = getattr(got, name), getattr(want, name)
             assert a.dtype == b.dtype and torch.equal(a, b), (j, name, a, b)
         assert (got.max_q_len, got.max_kv_len, got.page_size) == (want.max_q_len, want.max_kv_len, want.page_size)

@@ -193,12 +193,8 @@ def test_stories_decode_run_planned_once_matches_transformers(stories_model, sto
         assert_close(torch.cat([step[b] for step in logits]), reference_logits(stories_reference, tokens))
 
 
-def run_speculative_like(model, reference, monkeypatch, write_mirror: bool) -> int:
-    """Forwards over one batch as speculation runs them: verify-like steps of 3 tokens per sequence that accept a
-    random share (the rejected positions are rewritten by the next step with other tokens), catch-up-like steps of
-    1-3 tokens (a padded group); halfway, the first sequence finishes and a new one takes its pages (the same first
-    page) and prefills. Every forward's logits are checked against transformers on the sequence's tokens so far;
-    returns how many times a layer gathered its keys from the cache into a mirror."""
+def count_mirror_gathers(monkeypatch) -> dict[str, int]:
+    """{"n": how many times a layer has gathered its keys from the cache into a mirror}, counted from now on."""
     gathers = {"n": 0}
     gather = attention._Mirror.gather
 
@@ -207,6 +203,16 @@ def run_speculative_like(model, reference, monkeypatch, write_mirror: bool) -> i
         return gather(mirror, flat, group)
 
     monkeypatch.setattr(attention._Mirror, "gather", counted)
+    return gathers
+
+
+def run_speculative_like(model, reference, monkeypatch, write_mirror: bool) -> int:
+    """Forwards over one batch as speculation runs them: verify-like steps of 3 tokens per sequence that accept a
+    random share (the rejected positions are rewritten by the next step with other tokens), catch-up-like steps of
+    1-3 tokens (a padded group); halfway, the first sequence finishes and a new one takes its pages (the same first
+    page) and prefills. Every forward's logits are checked against transformers on the sequence's tokens so far;
+    returns how many times a layer gathered its keys from the cache into a mirror."""
+    gathers = count_mirror_gathers(monkeypatch)
     if not write_mirror:
         rows = attention._Mirror.rows  # every write lands on row 0: the mirror goes stale
         monkeypatch.setattr(attention._Mirror, "rows", lambda *args: torch.zeros_like(rows(*args)))
@@ -261,6 +267,34 @@ def test_stories_forwards_over_one_batch_read_a_mirror_and_match_transformers(st
     logit is transformers' though positions are rejected and rewritten, queries padded and pages reused."""
     gathers = run_speculative_like(stories_model, stories_reference, monkeypatch, write_mirror=True)
     assert gathers == len(stories_model.model.layers)  # one gather per layer, at the first forward over the cache
+
+
+@pytest.mark.parametrize("doubling", [True, False], ids=["doubling", "control-by-slack"])
+@torch.no_grad()
+def test_stories_a_decoding_batch_outgrows_its_mirror_a_logarithmic_number_of_times(stories_model, stories_reference,
+                                                                                    monkeypatch, doubling):
+    """A batch that keeps decoding outgrows its mirror: each time, it is gathered anew at twice the longest sequence,
+    so 120 steps past a mirror of 4 slack positions regather every layer 4 times, not 30, and every logit is still
+    transformers'. The control grows by the slack alone (the rule before), and the count leaves the bound."""
+    monkeypatch.setattr(attention, "MIRROR_SLACK", 4)
+    if not doubling:
+        keep = attention.TorchAttention._keep_mirror
+
+        def by_slack(self, meta, max_kv):
+            if self._mirror is not None and max_kv > self._mirror.capacity:
+                self._mirror = None  # as a new batch: slack only
+            return keep(self, meta, max_kv)
+
+        monkeypatch.setattr(attention.TorchAttention, "_keep_mirror", by_slack)
+    gathers = count_mirror_gathers(monkeypatch)
+    prompt_lens = [5, 9]
+    seqs = random_tokens(512, *(n + 120 for n in prompt_lens), seed=11)
+    results = run_paged(stories_model, decode_steps(seqs, prompt_lens), page_size=4)
+    for b, tokens in enumerate(seqs):
+        assert_close(concat_logits(results, b), reference_logits(stories_reference, tokens))
+    layers = len(stories_model.model.layers)
+    # capacities (pages of 4): 16, then twice the longest at each outgrowing: 34 -> 36, 74 -> 76, 154 -> 156
+    assert (gathers["n"] == 4 * layers) == doubling, gathers["n"] // layers
 
 
 @torch.no_grad()
