@@ -115,23 +115,30 @@ def kv_buckets(seqs: list[int], kv_lens: list[int]) -> list[list[int]]:
 
 
 _MASK_TEMPLATES: dict[tuple[torch.dtype, torch.device], torch.Tensor] = {}
+MASK_ALIGN = 8  # elements between mask rows are a multiple of this: 16 bytes in bf16, 32 in fp32
 
 
 def additive_mask(visible: torch.Tensor, width: int, dtype: torch.dtype) -> torch.Tensor:
     """visible [...] key counts (each at least 1) -> [..., width] additive mask rows: `visible` zeros, then -inf.
 
     One index_select of rows cut from a constant template (M zeros, then M times -inf; the row for c keys starts at
-    M - c), where comparing positions and filling a mask costs three ops: a step's plan is op-bound here."""
+    M - c), where comparing positions and filling a mask costs three ops: a step's plan is op-bound here.
+
+    Rows are laid out MASK_ALIGN elements apart (the view keeps `width`), so that every row, and every step's slab
+    of a decode run's masks, starts 16-byte aligned: CUDA's fused SDPA kernels read the mask with vector loads and
+    fault on a misaligned start ("misaligned address", seen on an H200 with a decode run's step j > 0 at odd widths).
+    """
+    stride = -(-width // MASK_ALIGN) * MASK_ALIGN
     key = (dtype, visible.device)
     template = _MASK_TEMPLATES.get(key)
-    if template is None or template.shape[0] < 2 * width:
-        half = max(256, width, 0 if template is None else template.shape[0])
+    if template is None or template.shape[0] < 2 * stride:
+        half = max(256, stride, 0 if template is None else template.shape[0])
         template = torch.zeros(2 * half, dtype=dtype, device=visible.device)
         template[half:] = float("-inf")
         _MASK_TEMPLATES[key] = template
     half = template.shape[0] // 2
-    rows = template.unfold(0, width, 1).index_select(0, torch.rsub(visible, half).flatten())
-    return rows.view(*visible.shape, width)
+    rows = template.unfold(0, stride, 1).index_select(0, torch.rsub(visible, half).flatten())
+    return rows.view(*visible.shape, stride)[..., :width]
 
 
 SHORT_QUERIES = 8  # query lengths up to this (decodes, verify rows, catch-ups) share one padded group
@@ -257,10 +264,12 @@ class _Group:
             q = q.index_select(0, self.rows)
         mask = self.sdpa_mask(q.dtype, heads // kv_heads)
         if self.q_len == 1:
-            return attention(q.view(n, kv_heads, -1, dk), keys, values, mask, scale).view(n, heads, -1)
+            # reshape: CUDA's fused SDPA kernels return [n, Hkv, rows, D] in [n, rows, Hkv, D] memory (a view fails)
+            return attention(q.view(n, kv_heads, -1, dk), keys, values, mask, scale).reshape(n, heads, -1)
         folded = q.view(n, self.q_len, kv_heads, -1, dk).transpose(1, 2).reshape(n, kv_heads, -1, dk)
         out = attention(folded, keys, values, mask, scale)
-        out = out.view(n, kv_heads, self.q_len, -1, out.shape[-1]).transpose(1, 2).reshape(n * self.q_len, heads, -1)
+        out = out.reshape(n, kv_heads, self.q_len, -1, out.shape[-1]).transpose(1, 2)
+        out = out.reshape(n * self.q_len, heads, -1)
         return out if self.q_valid is None else out[self.q_valid.flatten()]
 
 

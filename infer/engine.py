@@ -225,6 +225,10 @@ class Engine:
         architecture = getattr(model.config, "architecture", None)
         if kind != "draft" and DRAFTER_KINDS.get(architecture) != kind:
             raise ValueError(f"a {architecture} head drafts as kind {DRAFTER_KINDS.get(architecture)!r}, not {kind!r}")
+        devices = {p.device for p in model.parameters()}
+        if devices != {self.runner.device}:
+            raise ValueError(f"the drafter's weights are on {', '.join(sorted(map(str, devices)))} and the target's on "
+                             f"{self.runner.device}: move the drafter to the target's device first")
         self.drafter = DRAFTERS[kind](model, self.pool.num_pages, self.config.page_size, self.config.backend)
         self.reset_spec_stats()
 

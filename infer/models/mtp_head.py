@@ -238,7 +238,8 @@ def init_head_from_target(target: nn.Module, target_name: str, architecture: str
         raise HeadLoadError(f"untrained heads are built from Llama targets only, not {target.config.model_type!r}")
     identity = target_identity(target_name, target.config, target_digest(target))
     config = head_config_for(target.config, identity, architecture)
-    head = head_module(config).to(dtype=next(target.parameters()).dtype)
+    param = next(target.parameters())
+    head = head_module(config).to(device=param.device, dtype=param.dtype)  # the target's: they share weights
     if architecture == "eagle3":
         return init_eagle3_from_target(head.attach(shared_weights(target)), target)
     head.init_identity_projection()
