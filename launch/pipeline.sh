@@ -6,7 +6,8 @@
 #      EAGLE-3 head fuses;
 #   4. train each head on the same features with DeepSpeed under torchrun (gloo on a CPU): TTT unroll of 4 steps,
 #      the recipe of conf/model/stories260k.yaml at 16 records a step, fp32 weights with the linear layers in bf16
-#      (trainer.autocast: this CPU's bf16 matmuls are 4.5x faster, its bf16 attention slower); on a CPU the heads
+#      (trainer.autocast, on GPUs and CPUs with native bf16 matmuls: on AVX512-BF16 4.5x faster than fp32, where
+#      an AVX2-only CPU emulates them 9x slower, so there they stay fp32); on a CPU the heads
 #      train side by side, one process each on the 2-core CPU (below); each head's output goes to OUT/run-HEAD.log;
 #   5. validate each in infer/ (speculative decoding on 64 held-out story openings x 128 tokens: conditional
 #      acceptance per position, tau, speedup, the trainer's per-step top-1 on the same text);
@@ -30,7 +31,7 @@ JOBS=${JOBS:-}                 # heads trained at once (default: on a CPU, one p
 NPROC=${NPROC:-}               # torchrun processes per head (default: on a CPU, its cores / JOBS; else every GPU)
 K=${K:-4}                      # draft tokens per step when validating
 THREADS=${THREADS:-1}          # torch threads per process: tiny models run best on one
-AUTOCAST=${AUTOCAST:-true}     # heads' linear layers in bf16 (trainer.autocast); false on a CPU without bf16 matmuls
+AUTOCAST=${AUTOCAST:-auto}     # heads' linear layers in bf16 (trainer.autocast): auto = where bf16 matmuls are native
 export OMP_NUM_THREADS=$THREADS
 for head in $HEADS; do  # before the stages that take minutes
   if [ ! -f "conf/head/$head.yaml" ]; then
@@ -41,6 +42,11 @@ done
 if ! command -v nvidia-smi >/dev/null 2>&1; then export DS_ACCELERATOR=cpu; fi
 start=$(date +%s)
 stamp() { echo "== [$(( $(date +%s) - start ))s] $*"; }
+if [ "$AUTOCAST" = auto ]; then  # the device the trainer picks (cuda when there is one)
+  AUTOCAST=$(python -c "import torch; from mtp_train.distributed import native_bf16
+print(str(native_bf16(torch.device('cuda' if torch.cuda.is_available() else 'cpu'))).lower())")
+  echo "pipeline: trainer.autocast=$AUTOCAST (native bf16 matmuls: $AUTOCAST)"
+fi
 
 if [ ! -f "$MODEL/config.json" ]; then
   stamp "convert stories260K"

@@ -46,6 +46,19 @@ def init(device: str) -> tuple[int, int, torch.device]:
     return rank, world, torch.device("cpu")
 
 
+def native_bf16(device: torch.device) -> bool:
+    """Whether bf16 matmuls run natively on `device`, so that trainer.autocast pays: any CUDA GPU, or a CPU that
+    oneDNN runs bf16 on (AVX512, AVX512-BF16, AMX). An AVX2-only CPU emulates them: on an AMD EPYC of these machines
+    a 2,600 x 512 x 2,048 bf16 matmul took 954 ms against 108 ms in fp32, and the pipeline's autocast training ran
+    at 500 tokens/s against 6.5k on an AVX512-BF16 CPU."""
+    if device.type == "cuda":
+        return True
+    try:
+        return device.type == "cpu" and bool(torch.ops.mkldnn._is_mkldnn_bf16_supported())
+    except (AttributeError, RuntimeError):  # a torch built without oneDNN
+        return False
+
+
 def all_reduce_sum(tensor: torch.Tensor) -> torch.Tensor:
     if dist.is_initialized() and dist.get_world_size() > 1:
         dist.all_reduce(tensor)
