@@ -126,24 +126,24 @@ def attention_parity(label: str, device: str,
     logit comparison through random layers can hide a wrong attention (its share of the residual is small); here
     value = the backend's max |diff| over the output range, reference = the torch backend's own bf16 error.
     `backend` builds the backend under test for a dtype (default FlashInfer at the label's shape)."""
-    heads, second, third, mla = ATTENTION_SHAPES[label]
+    heads, kv, dim, mla = ATTENTION_SHAPES[label]  # kv: KV heads or MLA's latent width; dim: head or rope
     gen = torch.Generator().manual_seed(0)
     page_size, num_pages = 16, 64
     steps = step_tables(num_pages, page_size)
     if mla:  # q_latent, q_rope, ckv, kpe; caches [pages, page, R] and [pages, page, Dr]
-        shapes = [(heads, second), (heads, third), (second,), (third,)]
-        caches = [(num_pages, page_size, second), (num_pages, page_size, third)]
-        scale = (128 + third) ** -0.5
+        shapes = [(heads, kv), (heads, dim), (kv,), (dim,)]
+        caches = [(num_pages, page_size, kv), (num_pages, page_size, dim)]
+        scale = (128 + dim) ** -0.5  # DeepSeek-V2's qk_nope_head_dim 128 + rope
     else:  # q, k, v; cache [pages, 2, page, Hkv, D]
-        shapes = [(heads, third), (second, third), (second, third)]
-        caches = [(num_pages, 2, page_size, second, third)]
-        scale = third ** -0.5
+        shapes = [(heads, dim), (kv, dim), (kv, dim)]
+        caches = [(num_pages, 2, page_size, kv, dim)]
+        scale = dim ** -0.5
     inputs = [[torch.randn(sum(lens), *shape, generator=gen) for shape in shapes] for lens in STEP_Q_LENS]
 
     if backend is None:
         def backend(dtype: torch.dtype) -> AttentionBackend:
-            return FlashInferAttention(heads, second, third, dtype, torch.device(device),
-                                       mla_dims=(second, third) if mla else None)
+            return FlashInferAttention(heads, kv, dim, dtype, torch.device(device),
+                                       mla_dims=(kv, dim) if mla else None)
 
     def run(make: Callable[[torch.dtype], AttentionBackend], dtype: torch.dtype) -> torch.Tensor:
         attn = make(dtype)
