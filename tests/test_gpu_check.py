@@ -5,14 +5,15 @@ from __future__ import annotations
 
 import pytest
 import torch
+from torch.utils._python_dispatch import TorchDispatchMode
 from transformers import LlamaForCausalLM as HFLlama
 
-from infer import gpu_check
+from infer import attention, gpu_check
 from infer.attention import TorchAttention
+from infer.cli import run_cli
 from infer.engine import Engine, EngineConfig
 from infer.loader import load_model
 from infer.model_runner import ModelRunner
-from infer.cli import run_cli
 from tests.test_llama import tiny_llama3_config
 from tests.test_mtp_head import tiny_llama
 
@@ -64,8 +65,6 @@ def test_attention_parity_reads_a_broken_backend(label):
 
 def _misaligned_sdpa_masks(stories_hf_dir) -> int:
     """SDPA calls of a speculative run (decode runs of draft steps) whose mask starts, or has rows, off 16 bytes."""
-    from torch.utils._python_dispatch import TorchDispatchMode
-
     misaligned = []
 
     class Watch(TorchDispatchMode):
@@ -86,8 +85,6 @@ def _misaligned_sdpa_masks(stories_hf_dir) -> int:
 def test_sdpa_masks_start_16_byte_aligned(stories_hf_dir, monkeypatch):
     """CUDA's fused SDPA kernels fault ("misaligned address", seen on an H200) on a mask whose start or row stride
     is off 16 bytes, as a decode run's step j > 0 was at odd key counts. Control: rows packed at their width."""
-    from infer import attention
-
     assert _misaligned_sdpa_masks(stories_hf_dir) == 0
     monkeypatch.setattr(attention, "MASK_ALIGN", 1)
     monkeypatch.setattr(attention, "_MASK_TEMPLATES", {})
