@@ -45,7 +45,7 @@ stamp() { echo "== [$(( $(date +%s) - start ))s] $*"; }
 if [ "$AUTOCAST" = auto ]; then  # the device the trainer picks (cuda when there is one)
   AUTOCAST=$(python -c "import torch; from mtp_train.distributed import native_bf16
 print(str(native_bf16(torch.device('cuda' if torch.cuda.is_available() else 'cpu'))).lower())")
-  echo "pipeline: trainer.autocast=$AUTOCAST (native bf16 matmuls: $AUTOCAST)"
+  echo "pipeline: trainer.autocast=$AUTOCAST (true where bf16 matmuls are native)"
 fi
 
 if [ ! -f "$MODEL/config.json" ]; then
