@@ -67,6 +67,12 @@ def kv_rows(slots: torch.Tensor, page_size: int) -> torch.Tensor:
     return torch.cat((k_rows, k_rows + page_size), dim=-1)
 
 
+def cast(x: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """x in dtype; x itself when it is already (`Tensor.to` returns it too, after a dispatch of 2 us: ten a step
+    of a five-layer model at batch 1, where a forward is op dispatch)."""
+    return x if x.dtype == dtype else x.to(dtype)
+
+
 def write_kv(kv_cache: torch.Tensor, rows: torch.Tensor, kv: torch.Tensor) -> torch.Tensor:
     """Store kv = cat(K, V) [2T, Hkv, D] into a [pages, 2, page_size, Hkv, D] cache at `rows` (kv_rows); returns its
     flat [pages*2*page_size, Hkv, D] view."""
@@ -486,7 +492,7 @@ class TorchAttention:
     def attend(
         self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, kv_cache: torch.Tensor, scale: float
     ) -> torch.Tensor:
-        kv = torch.cat((k, v)).to(kv_cache.dtype)  # [2T, Hkv, D]
+        kv = cast(torch.cat((k, v)), kv_cache.dtype)  # [2T, Hkv, D]
         flat = write_kv(kv_cache, self.kv_write, kv)
         if self.output_rows is not None:
             q = q.index_select(0, self.output_rows)
@@ -497,7 +503,7 @@ class TorchAttention:
                     group.queries(q), group.queries(k), group.queries(v), is_causal=True, scale=scale, enable_gqa=True
                 ))
             else:
-                keys, values = self._read_kv(flat, group, kv).to(q.dtype).unbind()  # [n, Hkv, max_kv, D] each
+                keys, values = cast(self._read_kv(flat, group, kv), q.dtype).unbind()  # [n, Hkv, max_kv, D] each
                 out = group.attend_cached(q, keys, values, scale)
             outs.append(out)
         return self._gather(outs)

@@ -5,8 +5,10 @@
     torchrun --nproc_per_node 2 -m infer.bench --tp 2 --model DIR --spec mtp --draft HEAD_DIR
 
 Every figure is measured in the same run as its baseline (these machines are shared and noisy) and
-reported as a ratio. Without --spec: tokens/s of this runtime and of transformers' `generate` on the same
-prompts (greedy, fixed output length). With --spec: tokens/s with and without speculation, the speedup,
+reported as a ratio, the runs compared interleaved step by step so that a spell of load meets both. Without
+--spec: tokens/s of this runtime and of transformers' `generate` on the same prompts (greedy, fixed output length),
+the runtime's steps taken between generate's (`run_alongside_transformers`); the ratio is the median over the
+repeats and ratio_range its spread. With --spec: tokens/s with and without speculation, the speedup,
 tau (tokens per target step), and the ideal speedup predicted from the measured acceptance and the
 measured cost of a draft forward and a verify forward, timed in turns as a step runs them (`infer.speedup`), so
 that achieved / ideal is the share of the ideal the runtime's machinery keeps; *_alone prices each model's
@@ -32,6 +34,7 @@ import argparse
 import functools
 import json
 import math
+import statistics
 import sys
 import time
 from pathlib import Path
@@ -75,21 +78,59 @@ def run_engine(engine: Engine, prompts: list[str], params: SamplingParams) -> tu
     return timed.seconds, timed.tokens
 
 
-def run_transformers(model, tokenizer, prompts: list[str], new_tokens: int) -> tuple[float, int]:
-    """transformers' generate on a left-padded batch, forced to exactly new_tokens tokens."""
+def left_padded(tokenizer, prompts: list[str]) -> dict:
     tokenizer.padding_side = "left"
     if tokenizer.pad_token is None:
         tokenizer.pad_token = tokenizer.unk_token or tokenizer.eos_token
-    batch = tokenizer(prompts, return_tensors="pt", padding=True)
+    return tokenizer(prompts, return_tensors="pt", padding=True)
+
+
+def run_transformers(model, tokenizer, prompts: list[str], new_tokens: int,
+                     stopping_criteria: list | None = None) -> tuple[float, int]:
+    """transformers' generate on a left-padded batch, forced to exactly new_tokens tokens."""
+    batch = left_padded(tokenizer, prompts).to(model.device)
     start = time.perf_counter()
     with torch.inference_mode():
         out = model.generate(**batch, max_new_tokens=new_tokens, min_new_tokens=new_tokens, do_sample=False,
-                             pad_token_id=tokenizer.pad_token_id)
+                             pad_token_id=tokenizer.pad_token_id, stopping_criteria=stopping_criteria)
     return time.perf_counter() - start, (out.shape[1] - batch["input_ids"].shape[1]) * len(prompts)
 
 
+def run_alongside_transformers(engine: Engine, model, tokenizer, prompts: list[str],
+                               new_tokens: int) -> tuple[tuple[float, int], tuple[float, int]]:
+    """(seconds, tokens) of the engine and of transformers' generate on the same batch, their steps interleaved: a
+    stopping criterion, which generate calls after each of its steps, steps the engine until its requests hold as
+    many new tokens; the seconds spent there are the engine's, generate's others transformers'. Run after run, the
+    two met different spells of this shared machine (`infer.speedup.interleaved_generate`)."""
+    from transformers import StoppingCriteria  # noqa: PLC0415 - the baseline only
+
+    params = SamplingParams(max_new_tokens=new_tokens, ignore_eos=True)
+    requests = [engine.add_request(p, params) for p in prompts]
+    prompt_len = left_padded(tokenizer, prompts)["input_ids"].shape[1]
+    ours = [0.0, 0.0]  # seconds stepping inside generate, after it
+
+    def step_to(new: int, slot: int) -> None:
+        if model.device.type == "cuda":
+            torch.cuda.synchronize()  # transformers' queued kernels are its time
+        start = time.perf_counter()
+        while engine.has_unfinished() and min(len(r.output_ids) for r in requests) < new:
+            engine.step()
+        ours[slot] += time.perf_counter() - start
+
+    class Alongside(StoppingCriteria):
+        def __call__(self, input_ids: torch.Tensor, scores: torch.Tensor, **kwargs) -> torch.Tensor:
+            step_to(input_ids.shape[1] - prompt_len, 0)
+            return torch.zeros(input_ids.shape[0], dtype=torch.bool, device=input_ids.device)
+
+    hf_s, hf_tokens = run_transformers(model, tokenizer, prompts, new_tokens, [Alongside()])
+    step_to(new_tokens, 1)
+    return (sum(ours), sum(len(r.output_ids) for r in requests)), (hf_s - ours[0], hf_tokens)
+
+
 def bench_vs_transformers(args, prompts: list[str]) -> list[dict | None]:
-    """Rows on rank 0 (None on the other ranks); under tensor parallelism without transformers' columns."""
+    """Rows on rank 0 (None on the other ranks); under tensor parallelism without transformers' columns.
+
+    tokens/s are the fastest runs'; the ratio is the median over `--repeats` interleaved pairs of runs."""
     from transformers import AutoModelForCausalLM, AutoTokenizer  # noqa: PLC0415 - the baseline only
 
     hf = None
@@ -100,13 +141,16 @@ def bench_vs_transformers(args, prompts: list[str]) -> list[dict | None]:
 
     def measure(engine: Engine, batch: list[str]) -> dict:
         run_engine(engine, batch[:1], SamplingParams(max_new_tokens=4, ignore_eos=True))  # warm-up
-        ours_s, ours_tokens = best_of(args.repeats, lambda: run_engine(engine, batch, params))
-        row = {"batch_size": len(batch), "runtime_tok_s": round(ours_tokens / ours_s, 1)}
-        if hf is not None:
-            run_transformers(*hf, batch[:1], 4)
-            hf_s, hf_tokens = best_of(args.repeats, lambda: run_transformers(*hf, batch, args.max_new_tokens))
-            row.update(transformers_tok_s=round(hf_tokens / hf_s, 1), ratio=round(ours_tokens / ours_s * hf_s / hf_tokens, 2))
-        return row
+        if hf is None:
+            ours_s, ours_tokens = best_of(args.repeats, lambda: run_engine(engine, batch, params))
+            return {"batch_size": len(batch), "runtime_tok_s": round(ours_tokens / ours_s, 1)}
+        run_transformers(*hf, batch[:1], 4)
+        pairs = [run_alongside_transformers(engine, *hf, batch, args.max_new_tokens) for _ in range(args.repeats)]
+        tok_s = [(ours[1] / ours[0], theirs[1] / theirs[0]) for ours, theirs in pairs]
+        return {"batch_size": len(batch), "runtime_tok_s": round(max(o for o, _ in tok_s), 1),
+                "transformers_tok_s": round(max(t for _, t in tok_s), 1),
+                "ratio": round(statistics.median(o / t for o, t in tok_s), 2),
+                "ratio_range": f"{min(o / t for o, t in tok_s):.2f}-{max(o / t for o, t in tok_s):.2f}"}
 
     rows = []
     for batch_size in args.batch_sizes:
@@ -268,7 +312,9 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--batch-sizes", default="1,8,32", help="comma-separated batch sizes (default 1,8,32)")
     parser.add_argument("--prompts", type=Path, help="JSONL prompts (default: built-in story openings)")
     parser.add_argument("--max-new-tokens", type=int, default=128, help="tokens generated per request (default 128)")
-    parser.add_argument("--repeats", type=int, default=3, help="runs per measurement, the fastest counts (default 3)")
+    parser.add_argument("--repeats", type=int, default=5,
+                        help="interleaved pairs of runs per measurement: tokens/s are the fastest run's, ratios the "
+                             "median pair's (default 5)")
     parser.add_argument("--json", action="store_true", help="print only the JSON result")
     parser.add_argument("--spec", choices=["none", "draft", "mtp"], default="none",
                         help="benchmark speculative decoding with this drafter instead of comparing to transformers")

@@ -585,10 +585,12 @@ class Engine:
         """Each forward behind speculation over batch_size sequences with `context` tokens cached (pages borrowed
         from the pool, then returned); the verify forward is K+1 tokens long, K the engine's or `num_draft_tokens`.
 
-        All are timed alike: the fastest of `repeats` bursts, each burst's mean. A plain decode burst is a decode
-        run of `decode_run_steps` forwards, its plan paid once, as the engine runs it; a speculative burst is
-        `decode_run_steps` cycles of K draft forwards and a verify forward (`ForwardCosts`: the models take turns);
-        with `alone`, the draft and verify forwards are also timed in bursts of one forward repeated. One forward's
+        All are timed alike: each burst's mean. A round is a plain decode burst, a decode run of `decode_run_steps`
+        forwards, its plan paid once, as the engine runs it, then a speculative burst, `decode_run_steps` cycles of K
+        draft forwards and a verify forward (`ForwardCosts`: the models take turns); the three costs come from the
+        fastest of `repeats` rounds, so that the ratios behind the ideal speedup are measured within the same tens of
+        milliseconds (the fastest burst of each kind came from different spells of this shared machine). With
+        `alone`, the draft and verify forwards are also timed in bursts of one forward repeated (the fastest of each). One forward's
         fastest time sits below the mean that successive forwards keep (stories260K, batch 1, back to back: verify
         and draft forwards average 1.10x and 1.11x their fastest), so timing them singly while decode is a run's
         mean would price speculation's forwards low against plain decoding's.
@@ -602,8 +604,9 @@ class Engine:
             for table in tables:
                 table.extend(context + max(k + 1, burst))
             timed = _TimedForwards(self, [t.pages for t in tables], context, k)
-            decode = timed.fastest_burst(repeats, lambda: timed.decode_run(burst))
-            draft, verify = timed.in_turns(repeats, burst)
+            decode, draft, verify = timed.fastest_burst(
+                repeats, lambda: (timed.decode_run(burst), *timed.in_turns(burst)),
+                key=lambda costs: costs[0] + k * costs[1] + costs[2])  # a decode and a speculative cycle
             if not alone:
                 return ForwardCosts(decode, draft, verify)
             return ForwardCosts(decode, draft, verify,
@@ -722,16 +725,12 @@ class _TimedForwards:
         burst()
         return min((burst() for _ in range(repeats)), key=key)
 
-    def in_turns(self, repeats: int, cycles: int) -> tuple[float, float]:
-        """(draft, verify) seconds of the fastest of `repeats` bursts of `cycles` speculative cycles (K drafts, then
-        the verify), each forward timed on its own."""
+    def in_turns(self, cycles: int) -> tuple[float, float]:
+        """(draft, verify) mean seconds over `cycles` speculative cycles (K drafts, then the verify), each forward
+        timed on its own."""
         drafts, verifies = _Stopwatch(self.engine.device), _Stopwatch(self.engine.device)
-
-        def burst() -> tuple[float, float]:
-            for _ in range(cycles):
-                for _ in range(self.k):
-                    drafts.measure(self.draft)
-                verifies.measure(self.verify)
-            return drafts.total() / (cycles * self.k), verifies.total() / cycles
-
-        return self.fastest_burst(repeats, burst, key=lambda costs: self.k * costs[0] + costs[1])  # a cycle's time
+        for _ in range(cycles):
+            for _ in range(self.k):
+                drafts.measure(self.draft)
+            verifies.measure(self.verify)
+        return drafts.total() / (cycles * self.k), verifies.total() / cycles

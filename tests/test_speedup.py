@@ -15,8 +15,8 @@ from infer.sampling_params import SamplingParams
 from infer.speculative import SpecStats
 from infer.speedup import (
     COST_CONTEXT, Comparison, IdealShare, StepOverhead, Timed, compare, cost_context, ideal_speedup,
-    ideal_speedup_with_tail, live_per_verify_step, predicted_speedup, predicted_tau, recommend_k, timed_costs,
-    timed_generate,
+    ideal_speedup_with_tail, interleaved_generate, live_per_verify_step, predicted_speedup, predicted_tau,
+    recommend_k, timed_costs, timed_generate,
 )
 from mtp_train.export import export_head, main
 
@@ -201,6 +201,74 @@ def test_compare_counts_one_timed_runs_statistics(stories_model, stories_tokeniz
     assert once["verify_steps"] > 0
     assert thrice["verify_steps"] == once["verify_steps"]
     assert thrice["conditional_acceptance_se"] == once["conditional_acceptance_se"]
+
+
+def test_interleaved_runs_share_a_spell_of_load_that_runs_one_after_the_other_do_not(stories_model,
+                                                                                     stories_tokenizer, monkeypatch):
+    """Two identical engines (true ratio 1) on a machine slow for its first 16 steps (each spins 5 ms more):
+    interleaved by step, both runs meet the spell and their ratio stays near 1; run one after the other (the broken
+    control), the first run takes all of it. Each engine's outputs are those of its own run."""
+    config = EngineConfig(backend="torch", page_size=8, num_pages=32)
+    first, second = (Engine(stories_model, stories_tokenizer, [2], config) for _ in range(2))
+    prompts = [stories_tokenizer.encode("Once upon a time"), stories_tokenizer.encode("Lily had a dog")]
+    params = SamplingParams(max_new_tokens=24, ignore_eos=True)
+    step, slow_steps = Engine.step, []
+
+    def step_in_a_spell(self):
+        if len(slow_steps) < 16:
+            slow_steps.append(self)
+            until = time.perf_counter() + 0.005
+            while time.perf_counter() < until:
+                pass
+        return step(self)
+
+    monkeypatch.setattr(Engine, "step", step_in_a_spell)
+    a, b = interleaved_generate((first, second), prompts, params)
+    assert a.tokens == b.tokens == 48 and a.steps == b.steps == 24
+    assert [r.output_ids for r in a.requests] == [r.output_ids for r in b.requests]
+    assert slow_steps.count(first) == slow_steps.count(second) == 8
+    assert 0.8 < a.seconds / b.seconds < 1.25
+    slow_steps.clear()
+    one, other = timed_generate(first, prompts, params), timed_generate(second, prompts, params)
+    assert slow_steps.count(first) == 16
+    assert one.seconds / other.seconds > 1.4
+
+
+def test_the_runtime_steps_alongside_transformers_generate_one_step_each(stories_hf_dir, stories_model,
+                                                                        stories_tokenizer, monkeypatch):
+    """infer.bench's baseline: each of transformers' steps is followed by one of the engine's, the same greedy
+    tokens come out of both, and the seconds of the engine's steps are not counted as transformers'."""
+    from transformers import AutoModelForCausalLM  # noqa: PLC0415 - the baseline only
+
+    from infer.bench import run_alongside_transformers  # noqa: PLC0415
+
+    hf = AutoModelForCausalLM.from_pretrained(stories_hf_dir).eval()
+    engine = Engine(stories_model, stories_tokenizer, [2], EngineConfig(backend="torch", page_size=8, num_pages=32))
+    events, step, forward = [], Engine.step, hf.forward
+
+    def engine_step(self):
+        events.append("ours")
+        until = time.perf_counter() + 0.030  # 30 ms a step: far more than transformers' stories260K step
+        while time.perf_counter() < until:
+            pass
+        return step(self)
+
+    def hf_forward(*args, **kwargs):
+        events.append("transformers")
+        return forward(*args, **kwargs)
+
+    monkeypatch.setattr(Engine, "step", engine_step)
+    monkeypatch.setattr(hf, "forward", hf_forward)
+    (ours_s, ours_tokens), (hf_s, hf_tokens) = run_alongside_transformers(
+        engine, hf, stories_tokenizer, ["Once upon a time"], 12)
+    assert events == ["transformers", "ours"] * 12
+    assert ours_tokens == hf_tokens == 12
+    assert ours_s > 12 * 0.030 > hf_s  # generate's own seconds, the engine's steps within it taken out
+    generated = engine.generate([stories_tokenizer.encode("Once upon a time")],
+                                SamplingParams(max_new_tokens=12, ignore_eos=True))[0].output_ids
+    batch = stories_tokenizer(["Once upon a time"], return_tensors="pt")
+    reference = hf.generate(**batch, max_new_tokens=12, min_new_tokens=12, do_sample=False)
+    assert generated == reference[0, batch["input_ids"].shape[1]:].tolist()
 
 
 def test_forward_costs_are_priced_at_the_timed_runs_mean_context(stories_model, stories_tokenizer):

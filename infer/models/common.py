@@ -11,6 +11,8 @@ from torch import nn
 from transformers import PretrainedConfig
 from transformers.modeling_rope_utils import ROPE_INIT_FUNCTIONS
 
+from infer.attention import cast
+
 
 @dataclass
 class ModelOutput:
@@ -54,7 +56,7 @@ def final_logits(norm: nn.Module, lm_head: nn.Module, hidden_states: torch.Tenso
     """
     if indices is not None:
         hidden_states = hidden_states[indices]
-    return lm_head(norm(hidden_states).to(lm_head.weight.dtype)).float()
+    return cast(lm_head(cast(norm(hidden_states), lm_head.weight.dtype)), torch.float32)
 
 
 SMALL_NORM_ELEMENTS = 2048  # fp32 CPU inputs up to this many elements are normalised by `rms_norm_small`
