@@ -590,10 +590,10 @@ class Engine:
         draft forwards and a verify forward (`ForwardCosts`: the models take turns); the three costs come from the
         fastest of `repeats` rounds, so that the ratios behind the ideal speedup are measured within the same tens of
         milliseconds (the fastest burst of each kind came from different spells of this shared machine). With
-        `alone`, the draft and verify forwards are also timed in bursts of one forward repeated (the fastest of each). One forward's
-        fastest time sits below the mean that successive forwards keep (stories260K, batch 1, back to back: verify
-        and draft forwards average 1.10x and 1.11x their fastest), so timing them singly while decode is a run's
-        mean would price speculation's forwards low against plain decoding's.
+        `alone`, the draft and verify forwards are also timed in bursts of one forward repeated (the fastest of
+        each). One forward's fastest time sits below the mean that successive forwards keep (stories260K, batch 1,
+        back to back: verify and draft forwards average 1.10x and 1.11x their fastest), so timing them singly while
+        decode is a run's mean would price speculation's forwards low against plain decoding's.
         """
         if self.drafter is None:
             raise RuntimeError("forward costs of speculation need a drafter attached")

@@ -41,7 +41,7 @@ import torch.nn.functional as F
 from torch import nn
 from transformers import LlamaConfig, PretrainedConfig
 
-from infer.attention import AttentionBackend
+from infer.attention import AttentionBackend, cast
 from infer.models.common import ModelOutput, RMSNorm, RotaryEmbedding, keep_output_rows
 from infer.models.head_base import DraftHead, HeadLoadError, MTPHeadConfig
 from infer.models.llama import LlamaAttention, LlamaMLP
@@ -160,7 +160,7 @@ class Eagle3Head(DraftHead):
         """aux_hidden_states [T, 3, H] (the layers of `target_aux_layers`, in order) -> fused g [T, H]."""
         if aux_hidden_states is None:
             raise HeadLoadError(f"an EAGLE-3 head reads target layers {self.config.aux_layer_ids}: none were given")
-        return self.fc(aux_hidden_states.flatten(1).to(self.fc.weight.dtype))
+        return self.fc(cast(aux_hidden_states.flatten(1), self.fc.weight.dtype))
 
     def forward(
         self,
@@ -176,9 +176,9 @@ class Eagle3Head(DraftHead):
         assert self.shared is not None, "attach() the target's weights first"
         assert hidden_states is not None, "the head needs the fused target states or its own"
         dtype = self.fc.weight.dtype
-        emb = self.shared.embed_tokens(input_ids).to(dtype)
+        emb = cast(self.shared.embed_tokens(input_ids), dtype)
         cos, sin = self.rotary_emb.half_split(positions)
-        x = self.layer(emb, hidden_states.to(dtype), cos, sin, attn, kv_caches[0])
+        x = self.layer(emb, cast(hidden_states, dtype), cos, sin, attn, kv_caches[0])
         return self.output(x, attn, logits_indices)
 
     def compute_logits(self, hidden_states: torch.Tensor) -> torch.Tensor:
@@ -186,10 +186,11 @@ class Eagle3Head(DraftHead):
         normed = self.final_norm(hidden_states)
         if self.lm_head is None and isinstance(self.shared.lm_head, ParallelLMHead):
             # the target's rows are split over the ranks: score its whole vocabulary (gathered), keep the draft ids
-            logits = self.shared.lm_head(normed.to(self.shared.lm_head.weight.dtype)).float()  # [N, V]
+            lm_head = self.shared.lm_head
+            logits = cast(lm_head(cast(normed, lm_head.weight.dtype)), torch.float32)  # [N, V]
             return logits if self.full_vocab else logits.masked_fill_(~self.t2d, float("-inf"))
         weight = self.lm_head_weight()
-        draft = F.linear(normed.to(weight.dtype), weight).float()  # [N, Vd]
+        draft = cast(F.linear(cast(normed, weight.dtype), weight), torch.float32)  # [N, Vd]
         if self.full_vocab:
             return draft
         full = draft.new_full((draft.shape[0], self.config.vocab_size), float("-inf"))

@@ -39,7 +39,7 @@ from torch import nn
 from transformers import PretrainedConfig
 
 from infer.atomic_io import atomic_folder
-from infer.attention import AttentionBackend
+from infer.attention import AttentionBackend, cast
 from infer.models.common import ModelOutput, RMSNorm, RotaryEmbedding
 from infer.models.deepseek_v2 import DeepseekV2DecoderLayer
 from infer.models.eagle3_head import Eagle3Head, eagle3_config_fields, init_eagle3_from_target
@@ -108,8 +108,8 @@ class MTPHead(DraftHead):
         assert self.shared is not None, "attach() the target's weights first"
         assert hidden_states is not None, "the head needs the target's hidden states"
         dtype = self.eh_proj.weight.dtype  # the head may run in another precision than the target
-        emb = self.enorm(self.shared.embed_tokens(input_ids).to(dtype))
-        x = self.eh_proj(torch.cat((emb, self.hnorm(hidden_states.to(dtype))), dim=-1))
+        emb = self.enorm(cast(self.shared.embed_tokens(input_ids), dtype))
+        x = self.eh_proj(torch.cat((emb, self.hnorm(cast(hidden_states, dtype))), dim=-1))
         # Llama rotates half-split pairs, DeepSeek interleaved ones
         cos, sin = self.rotary_emb(positions) if self.mla else self.rotary_emb.half_split(positions)
         x = self.layer(x, cos, sin, attn, kv_caches[0])
