@@ -594,7 +594,7 @@ class FlashInferAttention:
         self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, kv_cache: torch.Tensor, scale: float
     ) -> torch.Tensor:
         self._ensure_planned(scale)
-        write_kv(kv_cache, self._meta.cache_rows, torch.cat((k, v)).to(kv_cache.dtype))
+        write_kv(kv_cache, self._meta.cache_rows, cast(torch.cat((k, v)), kv_cache.dtype))
         return self.wrapper.run(q.contiguous(), kv_cache)
 
     def attend_mla(

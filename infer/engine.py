@@ -589,7 +589,9 @@ class Engine:
         forwards, its plan paid once, as the engine runs it, then a speculative burst, `decode_run_steps` cycles of K
         draft forwards and a verify forward (`ForwardCosts`: the models take turns); the three costs come from the
         fastest of `repeats` rounds, so that the ratios behind the ideal speedup are measured within the same tens of
-        milliseconds (the fastest burst of each kind came from different spells of this shared machine). With
+        milliseconds (the fastest burst of each kind came from different spells of this shared machine; a decode step
+        timed in turns with the speculative cycles, one after each, halved the spread of the ideal but cost 5-9% more
+        than back to back, as plain decoding runs it: an ideal 8% high). With
         `alone`, the draft and verify forwards are also timed in bursts of one forward repeated (the fastest of
         each). One forward's fastest time sits below the mean that successive forwards keep (stories260K, batch 1,
         back to back: verify and draft forwards average 1.10x and 1.11x their fastest), so timing them singly while
