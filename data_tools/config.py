@@ -109,6 +109,7 @@ class HeadConfig:
     draft_vocab_rule: str = field(default="probability", metadata=one_of("probability", "frequency"))
     draft_vocab_tokens: int = field(default=2_000_000, metadata=at_least(1))
     trainable_lm_head: bool = False
+    norm_before_residual: bool = False  # EAGLE-3: its residual starts from the normed fused state (conf/head/eagle3)
 
 
 # --- precompute -----------------------------------------------------------------------------------------------

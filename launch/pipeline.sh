@@ -88,12 +88,12 @@ python -m data_tools.precompute output_dir="$OUT/features" model.path="$MODEL" d
 
 # Each head: trained, validated in infer/ (speculative decoding on 64 held-out story openings x 128 tokens), exported
 # in the runtime's format with its recommended K per batch size. The default MTP / EAGLE-1 heads read the target's
-# pre-norm state, so no vLLM/SGLang layout serves them as they are; an EAGLE-3 head also exports as eagle3 (SGLang)
-# and speculators (vLLM) (mtp_train.export --help says which head each format takes).
+# pre-norm state, so no vLLM/SGLang layout serves them as they are; an EAGLE-3 head also exports as speculators (vLLM)
+# and, unless its residual starts from the normed fused state (head.norm_before_residual, the default: SGLang's layer
+# has no such flag), as eagle3 (SGLang) (mtp_train.export --help says which head each format takes).
 build_head() {
   local head=$1 run=$OUT/run-$1
   local formats=(runtime)
-  if [ "$head" = eagle3 ]; then formats+=(eagle3 speculators); fi
   stamp "train the $head head ($NPROC process(es) x $MICRO records a step; log: $OUT/run-$head.log)" >&3
   NPROC_PER_NODE=$NPROC launch/train.sh model.path="$MODEL" features_dir="$OUT/features" data=stories260k \
     head="$head" output_dir="$run" trainer.dtype=float32 trainer.autocast="$AUTOCAST" trainer.progress=false \
@@ -101,6 +101,10 @@ build_head() {
   stamp "validate the $head head in infer/" >&3
   python -m mtp_train.validate --target "$MODEL" --head "$run/head" --run-dir "$run" --out "$run/validation" \
     --num-draft-tokens "$K" --threads "$THREADS"
+  if [ "$head" = eagle3 ]; then
+    formats+=(speculators)
+    if ! grep -q '"norm_before_residual": true' "$run/head/config.json"; then formats+=(eagle3); fi
+  fi
   for format in "${formats[@]}"; do
     python -m mtp_train.export --head "$run/head" --format "$format" --out "$run/export-$format" --target "$MODEL" \
       --report "$run/validation/report.json" --overwrite

@@ -289,6 +289,11 @@ def check_exportable(config: MTPHeadConfig, fmt: str, num_target_layers: int | N
             raise ExportError(f"this EAGLE-3 head fuses id {max(config.aux_layer_ids)}, the target's last layer's "
                               f"output: vLLM and SGLang capture only the streams entering layers 0.."
                               f"{num_target_layers - 1}; serve it with the runtime format")
+        if fmt == "eagle3" and config.norm_before_residual:
+            raise ExportError("this EAGLE-3 head starts its residual stream from the normed fused state "
+                              "(norm_before_residual): SGLang's LlamaForCausalLMEagle3 has no such flag and would add "
+                              "the un-normed state; export it as speculators (vLLM) or runtime, or train it with "
+                              "head.norm_before_residual=false for SGLang")
         return
     if fmt in EAGLE3_FORMATS:
         raise ExportError(f"the {fmt} format holds EAGLE-3 heads (head=eagle3: fc over three target layers, a "
@@ -326,8 +331,8 @@ def eagle3_export_config(config: MTPHeadConfig, fmt: str, aux_layers: list[int],
                          target_path: str | None) -> dict:
     """config.json of an EAGLE-3 export: SafeAILab / SGLang's (eagle3) or vLLM's speculators format. aux_layers are
     this project's (layer outputs), written in each reader's convention (engine_layer_ids); both record
-    norm_before_residual false (the residual is the un-normed fused state, infer.models.eagle3_head) and the
-    draft vocabulary's size."""
+    norm_before_residual (the head's: whether the residual starts from the normed fused state, infer.models.eagle3_head;
+    always false in the eagle3 format, which refuses such a head) and the draft vocabulary's size."""
     target = {**config.target, **({"path": target_path} if target_path else {})}
     draft_vocab_size = config.draft_vocab_size or config.vocab_size
     decoder = {**decoder_fields(config.decoder), "num_hidden_layers": 1, "vocab_size": config.vocab_size,
@@ -340,7 +345,7 @@ def eagle3_export_config(config: MTPHeadConfig, fmt: str, aux_layers: list[int],
         ids = engine_layer_ids(aux_layers, "sglang")
         return {"architectures": ["LlamaForCausalLMEagle3"], "model_type": "llama", **decoder,
                 "draft_vocab_size": draft_vocab_size, "target_hidden_size": config.hidden_size,
-                "norm_before_residual": False, "bias": False,
+                "norm_before_residual": config.norm_before_residual, "bias": False,
                 "eagle_config": {"eagle_aux_hidden_state_layer_ids": ids, "use_aux_hidden_state": True},
                 "eagle_aux_hidden_state_layer_ids": ids, **own}
     speculative_tokens = config.num_draft_tokens_for(1) or 3
@@ -351,7 +356,7 @@ def eagle3_export_config(config: MTPHeadConfig, fmt: str, aux_layers: list[int],
                 "proposal_methods": [{"proposal_type": "greedy", "speculative_tokens": speculative_tokens}],
                 "verifier": {"name_or_path": target.get("path") or target["name"],
                              "architectures": EAGLE3_VERIFIER}},
-            "draft_vocab_size": draft_vocab_size, "norm_before_residual": False,
+            "draft_vocab_size": draft_vocab_size, "norm_before_residual": config.norm_before_residual,
             "target_hidden_size": config.hidden_size,
             "eagle_aux_hidden_state_layer_ids": engine_layer_ids(aux_layers, "vllm"), **own}
 

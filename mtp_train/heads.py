@@ -53,6 +53,7 @@ def head_config(config: PretrainedConfig, head_cfg: DictConfig, identity: dict) 
                            layer_ids=layer_ids, intermediate_size=head_cfg.intermediate_size,
                            draft_vocab_size=head_cfg.draft_vocab_size if eagle3 else None,
                            trainable_lm_head=bool(head_cfg.trainable_lm_head) if eagle3 else False,
+                           norm_before_residual=bool(head_cfg.norm_before_residual) if eagle3 else False,
                            **{name: head_cfg[name] for name in SWITCHES})
 
 

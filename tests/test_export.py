@@ -219,13 +219,14 @@ def target_fields(config: dict, fmt: str) -> tuple:
     return config["max_position_embeddings"], config["rope_theta"], config["vocab_size"]
 
 
-def eagle3_head(model, layer_ids: tuple[int, ...] = (4, 1, 2), trainable_lm_head: bool = False) -> Eagle3Head:
+def eagle3_head(model, layer_ids: tuple[int, ...] = (4, 1, 2), trainable_lm_head: bool = False,
+                norm_before_residual: bool = False) -> Eagle3Head:
     """A perturbed EAGLE-3 head on stories260K: a 128-id draft vocabulary (random target ids, so d2t is not a
     constant), aux layer ids out of order (the exports write them ascending), the target's lm_head rows shared or
-    (trainable_lm_head) its own."""
+    (trainable_lm_head) its own, its residual the fused state or (norm_before_residual) the normed one."""
     identity = target_identity("stories260K", model.config, target_digest(model))
     config = head_config_for(model.config, identity, "eagle3", layer_ids=list(layer_ids), draft_vocab_size=128,
-                             trainable_lm_head=trainable_lm_head)
+                             trainable_lm_head=trainable_lm_head, norm_before_residual=norm_before_residual)
     head = init_eagle3_from_target(head_module(config).attach(shared_weights(model)), model)
     head.set_draft_vocab(torch.randperm(512, generator=torch.Generator().manual_seed(4))[:128])
     head.share_lm_head_rows()
@@ -392,6 +393,13 @@ def test_eagle3_exports_refuse_what_they_cannot_hold(stories_model, stories_hf_d
         with pytest.raises(ExportError, match="fuses id 5, the target's last layer's output.*runtime format"):
             export_head(last, fmt, tmp_path / f"last-{fmt}", target=stories_hf_dir)
     assert export_head(last, "runtime", tmp_path / "last-runtime", target=stories_hf_dir).is_dir()
+    normed = save_head(eagle3_head(stories_model, norm_before_residual=True), tmp_path / "normed")
+    with pytest.raises(ExportError, match="norm_before_residual.*SGLang.*speculators"):  # SGLang's layer has no flag
+        export_head(normed, "eagle3", tmp_path / "normed-eagle3", target=stories_hf_dir)
+    assert not (tmp_path / "normed-eagle3").exists()
+    reloaded = load_export(export_head(normed, "speculators", tmp_path / "normed-spec", target=stories_hf_dir),
+                           stories_model)
+    assert reloaded.config.norm_before_residual and reloaded.layer.norm_before_residual
     report = tmp_path / "report.json"  # a validation's recommended K travels with the target's lm_head rows
     report.write_text(json.dumps({"recommended_k": {"by_batch_size": {"1": {"k": 3}}}}))
     for fmt in ("eagle3", "speculators"):

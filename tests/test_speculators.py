@@ -59,11 +59,11 @@ def head_and_inputs(head, target, ids: torch.Tensor, cases: dict[str, list[int]]
                   for name, case in cases.items()}
 
 
-@pytest.fixture(scope="module")
-def conformance(stories_model, stories_hf_dir, tmp_path_factory) -> dict:
-    """The head's draft logits per dtype and step, and the package's per load (one probe run for all)."""
-    root = tmp_path_factory.mktemp("speculators")
-    head = eagle3_head(stories_model)
+def run_conformance(stories_model, stories_hf_dir, root: Path, norm_before_residual: bool) -> dict:
+    """The head's draft logits per dtype and step, and the package's per load (one probe run for all): both formats
+    for a head whose residual is the fused state, the speculators format alone for one normed before the residual
+    (SGLang's eagle3 format refuses it)."""
+    head = eagle3_head(stories_model, norm_before_residual=norm_before_residual)
     n = 24
     ids = torch.randint(3, 512, (n,), generator=torch.Generator().manual_seed(5))
     layers = sorted(head.target_aux_layers)  # vLLM and SGLang capture the aux states in layer order
@@ -77,14 +77,15 @@ def conformance(stories_model, stories_hf_dir, tmp_path_factory) -> dict:
     save_file(inputs, str(root / "inputs.safetensors"))
 
     spec = export_head(head, "speculators", root / "spec", target=stories_hf_dir)
-    eagle3 = export_head(head, "eagle3", root / "eagle3", target=stories_hf_dir)
-    eagle3_config = json.loads((eagle3 / "config.json").read_text())
-    convert = {"verifier": str(stories_hf_dir), "output": str(root / "converted"),
-               # the converter reads neither from the eagle3 config.json (it takes them as arguments)
-               "eagle_aux_hidden_state_layer_ids": engine_layer_ids(eagle3_config["export"]["aux_layers"], "vllm"),
-               "norm_before_residual": eagle3_config["norm_before_residual"]}
-    loads = [{"name": "speculators", "folder": str(spec), "convert": None},
-             {"name": "eagle3", "folder": str(eagle3), "convert": convert}]
+    loads = [{"name": "speculators", "folder": str(spec), "convert": None}]
+    if not norm_before_residual:
+        eagle3 = export_head(head, "eagle3", root / "eagle3", target=stories_hf_dir)
+        eagle3_config = json.loads((eagle3 / "config.json").read_text())
+        convert = {"verifier": str(stories_hf_dir), "output": str(root / "converted"),
+                   # the converter reads neither from the eagle3 config.json (it takes them as arguments)
+                   "eagle_aux_hidden_state_layer_ids": engine_layer_ids(eagle3_config["export"]["aux_layers"], "vllm"),
+                   "norm_before_residual": eagle3_config["norm_before_residual"]}
+        loads.append({"name": "eagle3", "folder": str(eagle3), "convert": convert})
     for load in loads:
         load.update(report=str(root / f"{load['name']}.json"), logits=str(root / f"{load['name']}.safetensors"))
     job = root / "job.json"
@@ -97,22 +98,39 @@ def conformance(stories_model, stories_hf_dir, tmp_path_factory) -> dict:
     return {"head": head, "ours": ours, "theirs": theirs}
 
 
+@pytest.fixture(scope="module")
+def conformance(stories_model, stories_hf_dir, tmp_path_factory):
+    """norm_before_residual -> run_conformance's result, run once per module for each."""
+    runs: dict[bool, dict] = {}
+
+    def get(norm_before_residual: bool) -> dict:
+        if norm_before_residual not in runs:
+            root = tmp_path_factory.mktemp(f"speculators_nbr{int(norm_before_residual)}")
+            runs[norm_before_residual] = run_conformance(stories_model, stories_hf_dir, root, norm_before_residual)
+        return runs[norm_before_residual]
+
+    return get
+
+
 def max_diff(ours: torch.Tensor, theirs: torch.Tensor) -> float:
     """Over the rows both have: step k of the package also scores the k last anchors, on padding tokens."""
     return (ours - theirs[: len(ours)]).abs().max().item()
 
 
-@pytest.mark.parametrize("fmt", ["speculators", "eagle3"])
-def test_the_speculators_package_computes_the_heads_draft_logits_from_its_export(conformance, fmt):
-    report, logits = conformance["theirs"][fmt]
+@pytest.mark.parametrize(("fmt", "norm_before_residual"),
+                         [("speculators", False), ("eagle3", False), ("speculators", True)])
+def test_the_speculators_package_computes_the_heads_draft_logits_from_its_export(conformance, fmt,
+                                                                                 norm_before_residual):
+    run = conformance(norm_before_residual)
+    report, logits = run["theirs"][fmt]
     assert (report["class"], report["config_class"]) == ("Eagle3DraftModel", "Eagle3SpeculatorConfig")
     assert report["draft_vocab_size"] == 128 and report["aux_layer_ids"] == [1, 2, 4]
-    assert report["norm_before_residual"] is False
-    assert torch.equal(logits["draft_to_target"], conformance["head"].draft_token_ids())
+    assert report["norm_before_residual"] is norm_before_residual
+    assert torch.equal(logits["draft_to_target"], run["head"].draft_token_ids())
     diffs = {(dtype, case, step): (max_diff(ours, logits[f"{dtype}.{case}.step{step}"]), tolerance(dtype, ours))
-             for dtype, steps in conformance["ours"].items() for case in ("served", *CONTROLS)
+             for dtype, steps in run["ours"].items() for case in ("served", *CONTROLS)
              for step, ours in enumerate(steps)}
-    print(f"{fmt} (embedding loaded by from_pretrained itself: {report['embedding_loaded_by_from_pretrained']}): "
+    print(f"{fmt}, norm_before_residual={norm_before_residual} (embedding loaded by from_pretrained itself: {report['embedding_loaded_by_from_pretrained']}): "
           "max |draft logit diff| against the head (tolerance): " + ", ".join(
               f"{dtype} {case} step {step} {diff:.2e} ({bound:.1e})"
               for (dtype, case, step), (diff, bound) in diffs.items()))
@@ -121,7 +139,7 @@ def test_the_speculators_package_computes_the_heads_draft_logits_from_its_export
 
 
 def test_the_speculators_package_holds_the_export_unchanged(conformance):
-    report, _ = conformance["theirs"]["speculators"]
+    report, _ = conformance(False)["theirs"]["speculators"]
     assert report["not_held"] == [] and report["changed"] == []
     # the embedding comes from the verifier (speculators_config.verifier), the rest is training-only
     assert report["not_written"] == ["embed_tokens.weight", "rotary_emb.inv_freq", "rotary_emb.original_inv_freq",

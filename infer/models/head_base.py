@@ -45,10 +45,12 @@ class MTPHeadConfig:
     hidden_state: str = "pre_norm"
     mlp: str = "dense"  # DeepSeek-V2 decoders: "dense" or "moe" (the target's experts, as NextN builds its layer)
     # EAGLE-3 only (infer.models.eagle3_head): the target layer ids fused at step 0, the draft vocabulary's size
-    # (None: the target's whole vocabulary) and whether the head owns its lm_head rows (else the target's, shared)
+    # (None: the target's whole vocabulary), whether the head owns its lm_head rows (else the target's, shared) and
+    # whether its residual stream starts from the normed fused state (else the fused state itself)
     aux_layer_ids: list[int] = field(default_factory=list)
     draft_vocab_size: int | None = None
     trainable_lm_head: bool = False
+    norm_before_residual: bool = False
 
     def num_draft_tokens_for(self, batch_size: int) -> int | None:
         """The recommended K at the largest measured batch size <= batch_size (the smallest one below them all)."""

@@ -183,14 +183,15 @@ def check_target(config: MTPHeadConfig, target: nn.Module, where: str) -> None:
 def head_config_for(target_config: PretrainedConfig, identity: dict, architecture: str = "mtp",
                     hidden_state: str = "pre_norm", mlp: str = "dense", layer_ids: list[int] | None = None,
                     draft_vocab_size: int | None = None, trainable_lm_head: bool = False,
-                    intermediate_size: int | None = None, **switches: bool) -> MTPHeadConfig:
+                    norm_before_residual: bool = False, intermediate_size: int | None = None,
+                    **switches: bool) -> MTPHeadConfig:
     """A head whose decoder layer is shaped like one of the target's layers.
 
     The norm and bias switches (enorm, hnorm, final_norm, proj_bias, layer_input_norm) default to the
     architecture's: mtp has every norm and an unbiased projection, eagle1 no norm and a biased one. hidden_state and
     mlp: MTPHeadConfig's (checked when the decoder config is built). eagle3 has its own layout
     (infer.models.eagle3_head): the switches do not apply; layer_ids (None: the default rule), draft_vocab_size
-    (None: the whole vocabulary) and trainable_lm_head do. intermediate_size: the layer's dense MLP width (None:
+    (None: the whole vocabulary), trainable_lm_head and norm_before_residual do. intermediate_size: the layer's dense MLP width (None:
     the target's; on a small target a wider head MLP costs little and drafts better, README "Head recipe").
     """
     kind = target_config.model_type
@@ -215,9 +216,11 @@ def head_config_for(target_config: PretrainedConfig, identity: dict, architectur
         raise HeadLoadError(f"unknown head switch {unknown[0]!r}: choose from {', '.join(defaults)}")
     fields = {**defaults, **switches}
     if architecture == "eagle3":
-        fields = eagle3_config_fields(target_config, layer_ids, draft_vocab_size, trainable_lm_head)
-    elif draft_vocab_size is not None or trainable_lm_head:
-        raise HeadLoadError(f"a draft vocabulary and a trainable lm_head are EAGLE-3 options, not {architecture}'s")
+        fields = eagle3_config_fields(target_config, layer_ids, draft_vocab_size, trainable_lm_head,
+                                      norm_before_residual)
+    elif draft_vocab_size is not None or trainable_lm_head or norm_before_residual:
+        raise HeadLoadError("a draft vocabulary, a trainable lm_head and norm_before_residual are EAGLE-3 options, "
+                            f"not {architecture}'s")
     config = MTPHeadConfig(
         hidden_size=target_config.hidden_size, vocab_size=target_config.vocab_size, decoder=decoder,
         rms_norm_eps=float(target_config.rms_norm_eps), architecture=architecture, target=identity,
