@@ -214,7 +214,7 @@ LOADERS: tuple[Loader, ...] = (
            lambda c: _eagle3("midlayer", c), _eagle3_vocab, feeds="aux",
            layer_ids="not read from config.json: the eagle_aux_hidden_state_layer_ids argument, vLLM's convention "
                      "(default [2, L//2, L-3])",
-           defaults={"rms_norm_eps": "1e-6 when missing", "norm_before_residual": "the argument, false",
+           defaults={"rms_norm_eps": "1e-6 when missing", "norm_before_residual": "the argument (false: SGLang's)",
                      "max_position_embeddings": "the larger of the draft's and the verifier's",
                      "midlayer.*": "renamed layers.0.*", "t2d": "gives the target vocabulary size"}),
     Loader("speculators", "vllm", "Eagle3LlamaForCausalLM (via SpeculatorsConfig)", (*VLLM_SPECULATORS, VLLM_EAGLE3,

@@ -19,7 +19,8 @@ trained on and builds the function it computes; otherwise ExportError says why.
                 DeepSeek-V2 heads with head.mlp=moe and head.hidden_state=post_norm.
   eagle3        EAGLE-3 heads (head=eagle3), SafeAILab / SGLang layout (fc, midlayer, norm, lm_head, d2t, t2d):
                 SGLang LlamaForCausalLMEagle3 (--speculative-algorithm EAGLE3); the speculators 0.9.0 converter
-                reads it. Aux layer ids in SGLang's convention (this project's aux layers, layer outputs).
+                reads it. Aux layer ids in SGLang's convention (this project's aux layers, layer outputs). Heads with
+                head.norm_before_residual=false only: SGLang's layer adds the un-normed fused state.
   speculators   EAGLE-3 heads in vLLM's speculators format (speculators_model_type eagle3, layers.0): vLLM
                 (vllm serve TARGET --speculative-config '{"model": "DIR", ...}', versions with
                 vllm/transformers_utils/configs/speculators) and the speculators 0.9.0 package's Eagle3DraftModel.

@@ -190,7 +190,7 @@ def test_autocast_trains_the_fp32_objective_with_bf16_matmuls_and_fp32_attention
     attention_dtypes.clear()
     loss16, grad16 = loss_and_grad(True)
     assert len(attention_dtypes) == 2 * 3 and set(attention_dtypes) == {torch.float32}  # records x steps
-    assert loss16 != loss32 and abs(loss16 - loss32) < 2e-3 * loss32
+    assert loss16 != loss32 and abs(loss16 - loss32) < 2**-8 * loss32  # bf16's unit roundoff (eagle3: 2.5e-3)
     assert grad16.dtype == torch.float32 and torch.nn.functional.cosine_similarity(grad16, grad32, 0) > 0.999
     attention_dtypes.clear()
     monkeypatch.setattr(unroll, "ChainAttention", lambda dtype: ChainAttention(torch.bfloat16))  # control
