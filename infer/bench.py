@@ -78,17 +78,13 @@ def run_engine(engine: Engine, prompts: list[str], params: SamplingParams) -> tu
     return timed.seconds, timed.tokens
 
 
-def left_padded(tokenizer, prompts: list[str]) -> dict:
-    tokenizer.padding_side = "left"
-    if tokenizer.pad_token is None:
-        tokenizer.pad_token = tokenizer.unk_token or tokenizer.eos_token
-    return tokenizer(prompts, return_tensors="pt", padding=True)
-
-
 def run_transformers(model, tokenizer, prompts: list[str], new_tokens: int,
                      stopping_criteria: list | None = None) -> tuple[float, int]:
     """transformers' generate on a left-padded batch, forced to exactly new_tokens tokens."""
-    batch = left_padded(tokenizer, prompts).to(model.device)
+    tokenizer.padding_side = "left"
+    if tokenizer.pad_token is None:
+        tokenizer.pad_token = tokenizer.unk_token or tokenizer.eos_token
+    batch = tokenizer(prompts, return_tensors="pt", padding=True).to(model.device)
     start = time.perf_counter()
     with torch.inference_mode():
         out = model.generate(**batch, max_new_tokens=new_tokens, min_new_tokens=new_tokens, do_sample=False,
@@ -106,7 +102,6 @@ def run_alongside_transformers(engine: Engine, model, tokenizer, prompts: list[s
 
     params = SamplingParams(max_new_tokens=new_tokens, ignore_eos=True)
     requests = [engine.add_request(p, params) for p in prompts]
-    prompt_len = left_padded(tokenizer, prompts)["input_ids"].shape[1]
     ours = [0.0, 0.0]  # seconds stepping inside generate, after it
 
     def step_to(new: int, slot: int) -> None:
@@ -118,8 +113,11 @@ def run_alongside_transformers(engine: Engine, model, tokenizer, prompts: list[s
         ours[slot] += time.perf_counter() - start
 
     class Alongside(StoppingCriteria):
+        generated = 0  # generate calls it once per new token
+
         def __call__(self, input_ids: torch.Tensor, scores: torch.Tensor, **kwargs) -> torch.Tensor:
-            step_to(input_ids.shape[1] - prompt_len, 0)
+            self.generated += 1
+            step_to(self.generated, 0)
             return torch.zeros(input_ids.shape[0], dtype=torch.bool, device=input_ids.device)
 
     hf_s, hf_tokens = run_transformers(model, tokenizer, prompts, new_tokens, [Alongside()])

@@ -624,8 +624,7 @@ class Engine:
         progress: bool = False,
     ) -> list[Request]:
         """Run prompts to completion; returns their requests in prompt order."""
-        if params is None or isinstance(params, SamplingParams):
-            params = [params or SamplingParams()] * len(prompts)
+        params = per_prompt(params, len(prompts))
         requests = [self.add_request(p, sp) for p, sp in zip(prompts, params)]
         bar = None
         if progress:
@@ -639,6 +638,13 @@ class Engine:
         if bar is not None:
             bar.close()
         return requests
+
+
+def per_prompt(params: SamplingParams | Sequence[SamplingParams] | None, count: int) -> Sequence[SamplingParams]:
+    """Sampling parameters for each of `count` prompts: one set for all (the defaults when None), or one each."""
+    if params is None or isinstance(params, SamplingParams):
+        return [params or SamplingParams()] * count
+    return params
 
 
 class _Stopwatch:

@@ -32,7 +32,7 @@ import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
-from infer.engine import Engine, ForwardCosts, Request
+from infer.engine import Engine, ForwardCosts, Request, per_prompt
 from infer.kv_cache import pages_needed
 from infer.sampling_params import SamplingParams
 
@@ -96,8 +96,7 @@ def interleaved_generate(engines: Sequence[Engine], prompts: Sequence,
     Runs of whole batches one after the other meet different spells: on stories260K at batch 1 and 8 the ratio of
     a plain to a speculative run varied with an interquartile range of 0.10-0.19 over 12 pairs, interleaved by step
     0.017-0.025, at the same median."""
-    if isinstance(params, SamplingParams):
-        params = [params] * len(prompts)
+    params = per_prompt(params, len(prompts))
     runs = [[engine.add_request(p, sp) for p, sp in zip(prompts, params)] for engine in engines]
     steps = [engine.num_steps for engine in engines]
     forward_s = [engine.forward_s for engine in engines]

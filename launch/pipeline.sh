@@ -103,7 +103,8 @@ build_head() {
     --num-draft-tokens "$K" --threads "$THREADS"
   if [ "$head" = eagle3 ]; then
     formats+=(speculators)
-    if ! grep -q '"norm_before_residual": true' "$run/head/config.json"; then formats+=(eagle3); fi
+    if python -c "import json, sys; sys.exit(json.load(open(sys.argv[1])).get('norm_before_residual', False))" \
+        "$run/head/config.json"; then formats+=(eagle3); fi
   fi
   for format in "${formats[@]}"; do
     python -m mtp_train.export --head "$run/head" --format "$format" --out "$run/export-$format" --target "$MODEL" \

@@ -92,7 +92,8 @@ def eagle3_config_fields(target_config: PretrainedConfig, layer_ids: list[int] |
     if draft_vocab_size is not None and not 1 <= draft_vocab_size <= vocab:
         raise HeadLoadError(f"head.draft_vocab_size={draft_vocab_size} must be in 1..{vocab} (the target's vocabulary)")
     return dict(aux_layer_ids=ids, draft_vocab_size=draft_vocab_size, trainable_lm_head=bool(trainable_lm_head),
-                norm_before_residual=bool(norm_before_residual), enorm=False, hnorm=False, final_norm=True, proj_bias=False, layer_input_norm=True)
+                norm_before_residual=bool(norm_before_residual), enorm=False, hnorm=False, final_norm=True,
+                proj_bias=False, layer_input_norm=True)
 
 
 class Eagle3DecoderLayer(nn.Module):

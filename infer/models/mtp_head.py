@@ -191,8 +191,9 @@ def head_config_for(target_config: PretrainedConfig, identity: dict, architectur
     architecture's: mtp has every norm and an unbiased projection, eagle1 no norm and a biased one. hidden_state and
     mlp: MTPHeadConfig's (checked when the decoder config is built). eagle3 has its own layout
     (infer.models.eagle3_head): the switches do not apply; layer_ids (None: the default rule), draft_vocab_size
-    (None: the whole vocabulary), trainable_lm_head and norm_before_residual do. intermediate_size: the layer's dense MLP width (None:
-    the target's; on a small target a wider head MLP costs little and drafts better, README "Head recipe").
+    (None: the whole vocabulary), trainable_lm_head and norm_before_residual do. intermediate_size: the layer's dense
+    MLP width (None: the target's; on a small target a wider head MLP costs little and drafts better, README "Head
+    recipe").
     """
     kind = target_config.model_type
     if kind not in DECODER_KEYS:
