@@ -17,8 +17,9 @@ forwards are timed after each repeat's pair of runs; speedup, ideal and their ra
 (each repeat against its own costs), tokens/s the fastest runs'.
 On a CPU a row also splits a step of the fastest runs into its model forwards and the host work around them
 (plain_host_ms, spec_forward_ms, spec_host_ms, per step): the host work is all the ideal leaves out, and
-spec_forward_ms against K * t_draft + t_verify is what the forwards lose inside a step (the first draft is the
-catch-up over the verified positions, the verify's keys pad to the batch's longest).
+spec_forward_ms against t_catch_up + (K-1) * t_draft + t_verify (a head; a draft LM's K * t_draft) is what the
+forwards lose inside a step (the verify's keys pad to the batch's longest). A head's step opens with its catch-up over
+the K+1 verified rows, whose output is the first draft: the ideal prices that forward at its own cost (t_catch_up).
 A batch's requests accept differently, so a batch ends in steps of a shrinking batch that the ideal (every step a
 full batch at the mean tau) does not price: spec_steps against steps_at_tau. *_with_tail prices each verify step at
 the batch it still held (the forward costs also timed at batch 1, linear between), so achieved_over_ideal_with_tail
@@ -37,6 +38,7 @@ import math
 import statistics
 import sys
 import time
+from dataclasses import fields
 from pathlib import Path
 
 import torch
@@ -204,12 +206,10 @@ def spec_row(plain: Engine, spec: Engine, batch: list[str], params: SamplingPara
         "acceptance_per_position": result.stats["acceptance_per_position"],
         "conditional_acceptance": result.stats["conditional_acceptance"],
         "ideal_speedup": round(share.ideal, 3), "achieved_over_ideal": round(share.achieved_over_ideal, 3),
-        "cost_context": context, "t_decode_ms": round(costs.decode * 1e3, 3), "t_draft_ms": round(costs.draft * 1e3, 3),
-        "t_verify_ms": round(costs.verify * 1e3, 3),
+        "cost_context": context, **{f"t_{name}_ms": ms for name, ms in costs.milliseconds().items()},
         "ideal_speedup_alone": round(alone.ideal, 3), "achieved_over_ideal_alone": round(alone.achieved_over_ideal, 3),
         "ideal_speedup_with_tail": round(with_tail.ideal, 3),
         "achieved_over_ideal_with_tail": round(with_tail.achieved_over_ideal, 3),
-        "t_draft_alone_ms": round(costs.draft_alone * 1e3, 3), "t_verify_alone_ms": round(costs.verify_alone * 1e3, 3),
         **result.step_split(),
     }
 
@@ -235,7 +235,7 @@ def recommendations(rows: list[dict]) -> list[dict]:
     for key in sorted({(r["temperature"], r["batch_size"]) for r in rows}):
         sweep = {r["k"]: r for r in rows if (r["temperature"], r["batch_size"]) == key}
         largest = sweep[max(sweep)]
-        costs = {k: ForwardCosts(r["t_decode_ms"] / 1e3, r["t_draft_ms"] / 1e3, r["t_verify_ms"] / 1e3)
+        costs = {k: ForwardCosts.from_milliseconds({f.name: r.get(f"t_{f.name}_ms") for f in fields(ForwardCosts)})
                  for k, r in sweep.items()}
         # the step overhead, fitted through the smallest and the largest K's runs only: the Ks between are a check
         ends = {k: (sweep[k]["plain_tok_s"], sweep[k]["spec_tok_s"], sweep[k]["tau"]) for k in (min(sweep), max(sweep))}

@@ -16,7 +16,7 @@ import itertools
 import time
 from collections import deque
 from collections.abc import Iterable, Sequence
-from dataclasses import dataclass, field, replace
+from dataclasses import dataclass, field, fields, replace
 from pathlib import Path
 
 import torch
@@ -136,22 +136,41 @@ class _DecodeRun:
 class ForwardCosts:
     """Seconds of one forward at a batch size, behind the ideal speculative speedup (see infer.speedup).
 
-    draft and verify are timed as a speculative step runs them, K drafts then the verify, cycle after cycle: the two
-    models take turns on the core's caches, as they would in a runtime with no host work at all. draft_alone and
-    verify_alone, where measured, are each model's forwards back to back (stories260K, batch 8: 1.05-1.18x
+    draft, verify and catch_up are timed as a speculative step runs them, cycle after cycle: the two models take
+    turns on the core's caches, as they would in a runtime with no host work at all. draft_alone, verify_alone and
+    catch_up_alone, where measured, are each forward repeated back to back (stories260K, batch 8: 1.05-1.18x
     cheaper than in turns), the price the ideal took before."""
 
     decode: float  # the target over one new token per sequence
     draft: float  # the drafter over one new token per sequence
     verify: float  # the target over K+1 new tokens per sequence
+    # A head's catch-up: over the K+1 verify rows per sequence, its output at one row each (`infer.speculative`):
+    # the step's first drafter forward, whose output proposes the first draft. None for a draft LM, which catches up
+    # over the one or two positions past its drafts: a draft forward's price.
+    catch_up: float | None = None
     draft_alone: float | None = None
     verify_alone: float | None = None
+    catch_up_alone: float | None = None
+
+    def drafting(self, k: int) -> float:
+        """Seconds of a step's K drafter forwards: a head's catch-up and K-1 drafts, or a draft LM's K drafts."""
+        return k * self.draft if self.catch_up is None else self.catch_up + (k - 1) * self.draft
 
     def alone(self) -> "ForwardCosts":
         """The same forwards priced back to back, each model alone."""
         if self.draft_alone is None or self.verify_alone is None:
             raise ValueError("these forward costs were measured in turns only (forward_costs(alone=True) times both)")
-        return ForwardCosts(self.decode, self.draft_alone, self.verify_alone)
+        return ForwardCosts(self.decode, self.draft_alone, self.verify_alone, self.catch_up_alone)
+
+    def milliseconds(self) -> dict[str, float | None]:
+        """Each forward's cost in ms (3 decimals) by field name, None where not measured: reports print these."""
+        return {f.name: None if getattr(self, f.name) is None else round(getattr(self, f.name) * 1e3, 3)
+                for f in fields(self)}
+
+    @classmethod
+    def from_milliseconds(cls, values: dict[str, float | None]) -> "ForwardCosts":
+        """The costs a report printed (`milliseconds`)."""
+        return cls(**{name: None if ms is None else ms / 1e3 for name, ms in values.items()})
 
     @classmethod
     def fastest(cls, measured: "Sequence[ForwardCosts]") -> "ForwardCosts":
@@ -160,7 +179,7 @@ class ForwardCosts:
             values = [getattr(c, name) for c in measured]
             return None if None in values else min(values)
 
-        return cls(*(fastest_of(name) for name in ("decode", "draft", "verify", "draft_alone", "verify_alone")))
+        return cls(**{f.name: fastest_of(f.name) for f in fields(cls)})
 
 
 class Engine:
@@ -586,16 +605,17 @@ class Engine:
         from the pool, then returned); the verify forward is K+1 tokens long, K the engine's or `num_draft_tokens`.
 
         All are timed alike: each burst's mean. A round is a plain decode burst, a decode run of `decode_run_steps`
-        forwards, its plan paid once, as the engine runs it, then a speculative burst, `decode_run_steps` cycles of K
-        draft forwards and a verify forward (`ForwardCosts`: the models take turns); the three costs come from the
+        forwards, its plan paid once, as the engine runs it, then a speculative burst, `decode_run_steps` cycles of
+        the drafter's forwards and a verify forward (`ForwardCosts`: the models take turns; a head's cycle opens with
+        its catch-up over the K+1 verify rows, as each step's drafting does); the costs come from the
         fastest of `repeats` rounds, so that the ratios behind the ideal speedup are measured within the same tens of
         milliseconds (the fastest burst of each kind came from different spells of this shared machine; a decode step
         timed in turns with the speculative cycles, one after each, halved the spread of the ideal but cost 5-9% more
-        than back to back, as plain decoding runs it: an ideal 8% high). With
-        `alone`, the draft and verify forwards are also timed in bursts of one forward repeated (the fastest of
-        each). One forward's fastest time sits below the mean that successive forwards keep (stories260K, batch 1,
-        back to back: verify and draft forwards average 1.10x and 1.11x their fastest), so timing them singly while
-        decode is a run's mean would price speculation's forwards low against plain decoding's.
+        than back to back, as plain decoding runs it: an ideal 8% high). With `alone`, the draft, verify and catch-up
+        forwards are also timed in bursts of one forward repeated (the fastest of each). One forward's fastest time
+        sits below the mean that successive forwards keep (stories260K, batch 1, back to back: verify and draft
+        forwards average 1.10x and 1.11x their fastest), so timing them singly while decode is a run's mean would
+        price speculation's forwards low against plain decoding's.
         """
         if self.drafter is None:
             raise RuntimeError("forward costs of speculation need a drafter attached")
@@ -606,14 +626,15 @@ class Engine:
             for table in tables:
                 table.extend(context + max(k + 1, burst))
             timed = _TimedForwards(self, [t.pages for t in tables], context, k)
-            decode, draft, verify = timed.fastest_burst(
-                repeats, lambda: (timed.decode_run(burst), *timed.in_turns(burst)),
-                key=lambda costs: costs[0] + k * costs[1] + costs[2])  # a decode and a speculative cycle
+            costs = timed.fastest_burst(repeats, lambda: timed.in_turns(burst, timed.decode_run(burst)),
+                                        key=lambda c: c.decode + c.drafting(k) + c.verify)  # a decode and a cycle
             if not alone:
-                return ForwardCosts(decode, draft, verify)
-            return ForwardCosts(decode, draft, verify,
-                                draft_alone=timed.fastest_burst(repeats, lambda: timed.repeated(timed.draft, burst)),
-                                verify_alone=timed.fastest_burst(repeats, lambda: timed.repeated(timed.verify, burst)))
+                return costs
+            def alone_cost(forward) -> float:
+                return timed.fastest_burst(repeats, lambda: timed.repeated(forward, burst))
+
+            return replace(costs, draft_alone=alone_cost(timed.draft), verify_alone=alone_cost(timed.verify),
+                           catch_up_alone=None if costs.catch_up is None else alone_cost(timed.catch_up))
         finally:
             for table in tables:
                 table.free()
@@ -693,12 +714,26 @@ class _TimedForwards:
         self.k = k
         self.ids = {q_len: torch.ones(batch * q_len, dtype=torch.long, device=device) for q_len in (1, k + 1)}
         self.rows = {q_len: torch.arange(batch * q_len, device=device) for q_len in (1, k + 1)}
-        drafter = engine.drafter
-        self.draft_inputs = {"hidden_states": torch.zeros(batch, engine.model.config.hidden_size, device=device,
-                                                          dtype=drafter.runner.dtype)} if drafter.needs_hidden_states else {}
+        self.draft_inputs = self._head_inputs(batch)
+        # a head's catch-up: every verify row, its output at each sequence's last (as MTPDrafter._run_verify_rows)
+        self.catch_up_rows = torch.arange(batch, device=device) * (k + 1) + k if engine.drafter.one_layer else None
+        self.catch_up_meta = replace(self.verify_meta, output_rows=self.catch_up_rows)
+        self.catch_up_inputs = self._head_inputs(batch * (k + 1))
+
+    def _head_inputs(self, rows: int) -> dict:
+        """A head's hidden-state input over `rows` rows (none for a draft LM)."""
+        drafter = self.engine.drafter
+        if not drafter.needs_hidden_states:
+            return {}
+        return {"hidden_states": torch.zeros(rows, self.engine.model.config.hidden_size, device=self.engine.device,
+                                             dtype=drafter.runner.dtype)}
 
     def draft(self) -> None:
         self.engine.drafter.runner.run(self.ids[1], self.draft_meta, self.rows[1], **self.draft_inputs)
+
+    def catch_up(self) -> None:
+        self.engine.drafter.runner.run(self.ids[self.k + 1], self.catch_up_meta, self.catch_up_rows,
+                                       **self.catch_up_inputs)
 
     def verify(self) -> None:
         q_len = self.k + 1
@@ -733,12 +768,18 @@ class _TimedForwards:
         burst()
         return min((burst() for _ in range(repeats)), key=key)
 
-    def in_turns(self, cycles: int) -> tuple[float, float]:
-        """(draft, verify) mean seconds over `cycles` speculative cycles (K drafts, then the verify), each forward
-        timed on its own."""
-        drafts, verifies = _Stopwatch(self.engine.device), _Stopwatch(self.engine.device)
+    def in_turns(self, cycles: int, decode: float) -> ForwardCosts:
+        """The costs of `cycles` speculative cycles as a step runs them, each forward timed on its own (the mean of
+        each kind), beside `decode`: a head's catch-up, K-1 drafts (one at K=1, for its price) and the verify; a
+        draft LM's K drafts and the verify."""
+        catch_ups, drafts, verifies = (_Stopwatch(self.engine.device) for _ in range(3))
+        with_catch_up = self.catch_up_rows is not None
+        num_drafts = max(self.k - 1, 1) if with_catch_up else self.k
         for _ in range(cycles):
-            for _ in range(self.k):
+            if with_catch_up:
+                catch_ups.measure(self.catch_up)
+            for _ in range(num_drafts):
                 drafts.measure(self.draft)
             verifies.measure(self.verify)
-        return drafts.total() / (cycles * self.k), verifies.total() / cycles
+        return ForwardCosts(decode, drafts.total() / (cycles * num_drafts), verifies.total() / cycles,
+                            catch_ups.total() / cycles if with_catch_up else None)

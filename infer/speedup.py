@@ -7,9 +7,11 @@ Both `python -m infer.bench --spec` and `mtp_train.validate` measure with these 
     costs timed after each pair of runs (`timed_costs`);
   - `ideal_speedup`: what the measured tau and forward costs allow, with nothing lost to the machinery:
 
-        ideal = tau * t(decode) / (K * t(draft) + t(verify over K+1))
+        ideal = tau * t(decode) / (t(drafting K) + t(verify over K+1))
 
-    the draft and verify forwards timed in turns, as a step runs them with nothing between them (`ForwardCosts`):
+    t(drafting K) being a step's drafter forwards: an MTP / EAGLE-3 head's catch-up over the K+1 verified rows (the
+    first draft is its output) and K-1 drafts, a draft LM's K drafts (`ForwardCosts.drafting`); the forwards timed
+    in turns, as a step runs them with nothing between them (`ForwardCosts`):
     so that achieved / ideal is the share of the ideal the runtime's machinery keeps (`IdealShare`: the median over
     repeats of each repeat's speedup over its own ideal), and what the two models cost each other in the core's
     caches is the forwards' own cost, not the machinery's;
@@ -18,7 +20,7 @@ Both `python -m infer.bench --spec` and `mtp_train.validate` measure with these 
     the measured cost of a draft forward and of the verify forward at each K, and each step's measured overhead o:
 
         tau(K) = 1 + sum_{j<=K} prod_{i<=j} a_i
-        predicted(K) = tau(K) * (t(decode) + o_plain) / (K * t(draft) + t(verify over K+1) + o_spec(K))
+        predicted(K) = tau(K) * (t(decode) + o_plain) / (t(drafting K) + t(verify over K+1) + o_spec(K))
 
     the forward costs and o measured at the batch size recommended for (`recommend_k_by_batch`: o from 128-token timed
     runs at K and at 1 there; `infer.bench` fits it from its own sweep at each batch size);
@@ -192,7 +194,7 @@ def timed_costs(spec: Engine, batch_size: int, max_new_tokens: int, repeats: int
 
 
 def ideal_speedup(tau: float, costs: ForwardCosts, k: int) -> float:
-    return tau * costs.decode / (k * costs.draft + costs.verify)
+    return tau * costs.decode / (costs.drafting(k) + costs.verify)
 
 
 def live_per_verify_step(requests: Sequence[Request]) -> list[int]:
@@ -213,8 +215,7 @@ def ideal_speedup_with_tail(live: Sequence[int], decode_steps: int, full: Forwar
 
     def step_cost(batch: int) -> float:
         w = (batch - 1) / (size - 1) if size > 1 else 1.0
-        price = lambda name: (1 - w) * getattr(single, name) + w * getattr(full, name)  # noqa: E731
-        return k * price("draft") + price("verify")
+        return (1 - w) * (single.drafting(k) + single.verify) + w * (full.drafting(k) + full.verify)
 
     return decode_steps * full.decode / sum(step_cost(batch) for batch in live)
 
@@ -239,7 +240,7 @@ class StepOverhead:
         """From timed runs per K: {K: (plain tok/s, speculative tok/s, tau)}, each K with its forward costs. A
         plain step emits batch_size tokens, a speculative one batch_size * tau."""
         plain = [batch_size / plain_tok_s - costs[k].decode for k, (plain_tok_s, _, _) in measured.items()]
-        spec = {k: batch_size * tau / spec_tok_s - k * costs[k].draft - costs[k].verify
+        spec = {k: batch_size * tau / spec_tok_s - costs[k].drafting(k) - costs[k].verify
                 for k, (_, spec_tok_s, tau) in measured.items()}
         low, high = min(spec), max(spec)
         slope = (spec[high] - spec[low]) / (high - low) if high > low else 0.0
@@ -248,7 +249,7 @@ class StepOverhead:
 
 def predicted_speedup(tau: float, costs: ForwardCosts, k: int, overhead: StepOverhead) -> float:
     """The ideal speedup once each step's measured overhead is added to both sides."""
-    return tau * (costs.decode + overhead.plain) / (k * costs.draft + costs.verify + overhead.spec_at(k))
+    return tau * (costs.decode + overhead.plain) / (costs.drafting(k) + costs.verify + overhead.spec_at(k))
 
 
 def predicted_tau(conditional: list[float], k: int) -> float:

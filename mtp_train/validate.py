@@ -255,8 +255,7 @@ def validate_head(
         "threads": torch.get_num_threads(), "tp": tp.size,
         "runs": runs,
         "trainer_replay": replay, "replay_gap": gaps, "gap_flag": flag,
-        "forward_ms": {"decode": round(costs.decode * 1e3, 3), "draft": round(costs.draft * 1e3, 3),
-                       "verify": round(costs.verify * 1e3, 3)},
+        "forward_ms": {name: ms for name, ms in costs.milliseconds().items() if ms is not None},
         "forward_context_tokens": measured.cost_context,  # cached behind those forwards
         "recommended_k": {"by_batch_size": recommended,
                           "from": (f"T={basis['temperature']:g} conditional acceptance; forward costs and step "

@@ -10,7 +10,7 @@ import torch
 
 from infer.engine import Engine, EngineConfig, ForwardCosts
 from infer.model_runner import ModelRunner
-from infer.models.mtp_head import read_head_config
+from infer.models.mtp_head import init_head_from_target, read_head_config
 from infer.sampling_params import SamplingParams
 from infer.speculative import SpecStats
 from infer.speedup import (
@@ -150,9 +150,12 @@ def test_step_overhead_is_fitted_through_two_ks_and_predicts_the_ones_between():
     """Synthetic runs whose step overhead is 0.3 + 0.1 K ms (plain: 0.2 ms): the fit recovers it from K=1 and K=4,
     and the prediction at K=2 and 3 is exact; a single K gives a flat overhead."""
     batch, tau = 8, {1: 1.8, 2: 2.2, 3: 2.5, 4: 2.7}
-    costs = {k: ForwardCosts(decode=0.5e-3, draft=0.2e-3, verify=(0.6 + 0.05 * k) * 1e-3) for k in tau}
+    costs = {k: ForwardCosts(decode=0.5e-3, draft=0.2e-3, verify=(0.6 + 0.05 * k) * 1e-3, catch_up=0.25e-3)
+             for k in tau}
     plain_tok_s = batch / (0.5e-3 + 0.2e-3)
-    spec_tok_s = {k: batch * tau[k] / (k * 0.2e-3 + costs[k].verify + (0.3 + 0.1 * k) * 1e-3) for k in tau}
+    # a head's step: its catch-up, K-1 drafts, the verify and the overhead
+    spec_tok_s = {k: batch * tau[k] / (0.25e-3 + (k - 1) * 0.2e-3 + costs[k].verify + (0.3 + 0.1 * k) * 1e-3)
+                  for k in tau}
     fitted = StepOverhead.fitted({k: (plain_tok_s, spec_tok_s[k], tau[k]) for k in (1, 4)}, costs, batch)
     assert (fitted.plain, fitted.spec, fitted.spec_per_draft) == pytest.approx((0.2e-3, 0.3e-3, 0.1e-3))
     for k in (2, 3):
@@ -171,13 +174,14 @@ def test_bench_recommendation_is_the_sweeps_best_k_on_runs_the_model_describes()
     batch, conditional = 8, [0.9, 0.7, 0.5, 0.3]
     rows = []
     for k in (1, 2, 3, 4):
-        cost = ForwardCosts(decode=0.5e-3, draft=0.2e-3, verify=(0.6 + 0.05 * k) * 1e-3)
+        cost = ForwardCosts(decode=0.5e-3, draft=0.2e-3, verify=(0.6 + 0.05 * k) * 1e-3, catch_up=0.25e-3)
         tau = predicted_tau(conditional, k)
         rows.append({"temperature": 0.0, "batch_size": batch, "k": k, "tau": tau,
                      "plain_tok_s": batch / (cost.decode + 0.2e-3),
-                     "spec_tok_s": batch * tau / (k * cost.draft + cost.verify + (0.3 + 0.1 * k) * 1e-3),
-                     "conditional_acceptance": conditional[:k], "t_decode_ms": cost.decode * 1e3,
-                     "t_draft_ms": cost.draft * 1e3, "t_verify_ms": cost.verify * 1e3})
+                     "spec_tok_s": batch * tau / (0.25e-3 + (k - 1) * cost.draft + cost.verify
+                                                  + (0.3 + 0.1 * k) * 1e-3),
+                     "conditional_acceptance": conditional[:k],
+                     **{f"t_{name}_ms": ms for name, ms in cost.milliseconds().items()}})
     (exact,) = recommendations(rows)
     assert exact["recommended_k"] == exact["measured_best_k"] == 2
     assert exact["predicted_over_measured"] == 1.0 and exact["worst_error_any_k"] == 0.0
@@ -310,6 +314,40 @@ def test_forward_costs_time_the_models_in_turns_as_a_step_runs_them(stories_mode
     with pytest.raises(ValueError, match="in turns only"):
         ForwardCosts(1.0, 1.0, 1.0).alone()
     assert ForwardCosts.fastest([costs, ForwardCosts(1.0, 1.0, 1.0)]).verify_alone is None
+
+
+def test_a_heads_forward_costs_open_each_cycle_with_its_catch_up(stories_model, stories_tokenizer, monkeypatch):
+    """A head's step drafts K tokens with K forwards: the catch-up over the K+1 verify rows of each sequence, whose
+    output at one row each is the first draft, then K-1 drafts. The ideal prices that forward at its own cost: the
+    cycles timed run exactly that pattern, and t(drafting K) = t(catch-up) + (K-1) t(draft); a draft LM's cycle (the
+    control) has no catch-up and K drafts."""
+    config = EngineConfig(num_draft_tokens=3, backend="torch", page_size=8, num_pages=64, decode_run_steps=2)
+    forward, calls = ModelRunner.forward, []
+
+    def timed_forwards(kind: str, drafter: torch.nn.Module) -> ForwardCosts:
+        engine = Engine(stories_model, stories_tokenizer, [2], config)
+        engine.attach_drafter(kind, drafter)
+
+        def logged(self, input_ids, meta, *args, **kwargs):
+            calls.append(("target" if self is engine.runner else "drafter", input_ids.shape[0],
+                          meta.output_rows is not None and meta.max_q_len > 1))
+            return forward(self, input_ids, meta, *args, **kwargs)
+
+        calls.clear()
+        monkeypatch.setattr(ModelRunner, "forward", logged)
+        return engine.forward_costs(2, context=16, repeats=1)
+
+    catch_up, draft, verify = ("drafter", 2 * 4, True), ("drafter", 2, False), ("target", 2 * 4, False)
+    decode_run = [("target", 2, False)] * 2
+    costs = timed_forwards("mtp", init_head_from_target(stories_model, "stories260K"))
+    assert calls == 2 * (decode_run + 2 * [catch_up, draft, draft, verify])  # a warm-up round, then one timed
+    assert costs.catch_up > 0 and costs.drafting(3) == pytest.approx(costs.catch_up + 2 * costs.draft)
+    assert ideal_speedup(2.0, costs, 3) == pytest.approx(2.0 * costs.decode / (costs.drafting(3) + costs.verify))
+    assert ForwardCosts(1.0, 0.1, 1.0, catch_up=0.3).drafting(1) == pytest.approx(0.3)
+
+    lm_costs = timed_forwards("draft", stories_model)
+    assert calls == 2 * (decode_run + 2 * [draft, draft, draft, verify]) and lm_costs.catch_up is None
+    assert lm_costs.drafting(3) == pytest.approx(3 * lm_costs.draft)
 
 
 def test_forward_costs_on_a_gpu_time_the_kernels_not_the_launches(monkeypatch):
