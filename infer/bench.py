@@ -50,7 +50,8 @@ from infer.parallel import attach_where_it_lives, current, init_tp, on_rank0, se
 from infer.prompts import DEFAULT_PROMPTS, read_prompt_file
 from infer.sampling_params import SamplingParams
 from infer.speedup import (SPEC_MIN_NEW_TOKENS, IdealShare, StepOverhead, compare, cost_context,
-                           ideal_speedup_with_tail, live_per_verify_step, recommend_k, timed_costs, timed_generate)
+                           ideal_speedup_with_tail, interleaved_stream, live_per_verify_step, recommend_k, timed_costs,
+                           timed_generate)
 
 
 def parse_ints(text: str, flag: str) -> list[int]:
@@ -256,42 +257,25 @@ def bench_arrivals(args, prompts: list[str]) -> dict | None:
     """A stream of requests: the share of decode steps that speculated (the others were plain because the drafter
     lagged or there was no room), and the mean time from a request's arrival to its last token against plain
     decoding. Requests arrive one every `--arrivals` steps of the plain engine; the speculative engine gets them at
-    the same wall-clock times (arrivals counted in its own, longer and fewer steps would compare arrival
-    schedules, not engines). The result on rank 0, None on the other ranks."""
+    the same times on its own clock (arrivals counted in its own, longer and fewer steps would compare arrival
+    schedules, not engines), the two engines' steps interleaved (`infer.speedup.interleaved_stream`). The result on
+    rank 0, None on the other ranks."""
     k, count = args.num_draft_tokens[-1], max(args.batch_sizes)
     plain = make_engine(args, count)
-    engines = {"plain": plain, "spec": with_drafter(args, plain, k)}
-    return on_rank0(functools.partial(stream, args, prompts, engines, k, count))
+    spec = with_drafter(args, plain, k)
+    return on_rank0(functools.partial(stream, args, prompts, plain, spec, k, count))
 
 
-def stream(args, prompts: list[str], engines: dict[str, Engine], k: int, count: int) -> dict:
+def stream(args, prompts: list[str], plain: Engine, spec: Engine, k: int, count: int) -> dict:
     params = SamplingParams(max_new_tokens=args.max_new_tokens, ignore_eos=True)
+    runs = dict(zip(("plain", "spec"), interleaved_stream(plain, spec, prompts, params, count, args.arrivals)))
     result = {"arrive_every_steps": args.arrivals, "requests": count, "k": k}
-    arrivals: list[float] = []  # seconds after the start, set by the plain run's steps
-    for name, engine in engines.items():
-        start, generated, tick, latency, tokens = time.perf_counter(), {}, 0, 0.0, 0  # request id -> arrival index
-        while len(generated) < count or engine.has_unfinished():
-            now = time.perf_counter() - start
-            due = len(generated) < count and (tick % args.arrivals == 0 if name == "plain"
-                                              else arrivals[len(generated)] <= now)
-            if due:
-                if name == "plain":
-                    arrivals.append(now)
-                request = engine.add_request(prompts[len(generated) % len(prompts)], params)
-                generated[request.request_id] = len(generated)
-            if engine.has_unfinished():
-                done = engine.step()
-                now = time.perf_counter() - start
-                latency += sum(now - arrivals[generated[r.request_id]] for r in done)
-                tokens += sum(len(r.output_ids) for r in done)
-            tick += 1
-        elapsed = time.perf_counter() - start
-        result[f"{name}_tok_s"] = round(tokens / elapsed, 1)
-        result[f"{name}_latency_ms"] = round(1e3 * latency / count, 2)
-        if name == "spec":
-            stats = engine.spec_stats.to_dict()
-            result.update(speculated_share=stats["speculated_share"], tau=stats["tau"])
-    result["latency_ratio"] = round(result["spec_latency_ms"] / result["plain_latency_ms"], 3)
+    for name, run in runs.items():
+        result[f"{name}_tok_s"] = round(run.tok_s, 1)
+        result[f"{name}_latency_ms"] = round(1e3 * run.latency_s, 2)
+    stats = spec.spec_stats.to_dict()
+    result.update(speculated_share=stats["speculated_share"], tau=stats["tau"])
+    result["latency_ratio"] = round(runs["spec"].latency_s / runs["plain"].latency_s, 3)
     return result
 
 

@@ -24,7 +24,9 @@ Both `python -m infer.bench --spec` and `mtp_train.validate` measure with these 
 
     the forward costs and o measured at the batch size recommended for (`recommend_k_by_batch`: o from 128-token timed
     runs at K and at 1 there; `infer.bench` fits it from its own sweep at each batch size);
-  - forward costs are timed at the timed runs' mean context (`cost_context`).
+  - forward costs are timed at the timed runs' mean context (`cost_context`);
+  - `interleaved_stream`: a stream of arrivals served by both engines, each on the clock of its own steps
+    (`infer.bench --arrivals`).
 """
 
 from __future__ import annotations
@@ -65,6 +67,7 @@ class Timed:
     requests: list[Request]
     steps: int  # engine steps
     forward_s: float = 0.0  # of `seconds`, in model forwards (`Engine.forward_s`: a CPU figure)
+    latency_s: float = 0.0  # a stream's mean time from a request's arrival to its last token (`interleaved_stream`)
 
     @property
     def tok_s(self) -> float:
@@ -117,6 +120,52 @@ def interleaved_generate(engines: Sequence[Engine], prompts: Sequence,
             live.remove(i)
     return [Timed(seconds[i], sum(len(r.output_ids) for r in requests), requests, engine.num_steps - steps[i],
                   engine.forward_s - forward_s[i]) for i, (engine, requests) in enumerate(zip(engines, runs))]
+
+
+def interleaved_stream(plain: Engine, other: Engine, prompts: Sequence, params: SamplingParams, count: int,
+                       every: int) -> tuple[Timed, Timed]:
+    """`count` requests (prompts in turn) arriving one every `every` steps of the plain engine; the other engine
+    gets each at the same time on its own clock. Each engine's clock counts its own steps' seconds alone (and, for
+    the other engine, waits for an arrival while it has nothing to run), and the engine whose clock is behind steps
+    next: a spell of load on a shared machine meets both, as in `interleaved_generate`, and the other engine never
+    steps past an arrival the plain one has not reached yet. Each run's seconds are its clock's."""
+    engines, clocks = (plain, other), [0.0, 0.0]
+    steps, forward_s = [e.num_steps for e in engines], [e.forward_s for e in engines]
+    arrivals: list[float] = []  # on the plain engine's clock
+    added: tuple[list[Request], list[Request]] = ([], [])
+    arrived_at: tuple[dict[int, float], dict[int, float]] = ({}, {})  # request id -> arrival
+    latency, tick = [0.0, 0.0], 0
+
+    def add(i: int) -> None:
+        request = engines[i].add_request(prompts[len(added[i]) % len(prompts)], params)
+        arrived_at[i][request.request_id] = arrivals[len(added[i])]
+        added[i].append(request)
+
+    def ready(i: int) -> bool:  # has a step to take, or (the other engine) an arrival it knows of to wait for
+        if engines[i].has_unfinished():
+            return True
+        return len(added[i]) < count if i == 0 else len(added[1]) < len(arrivals)
+
+    while ready(0) or ready(1):
+        i = min((j for j in (0, 1) if ready(j)), key=lambda j: clocks[j])
+        if i == 0:
+            if len(added[0]) < count and tick % every == 0:
+                arrivals.append(clocks[0])
+                add(0)
+            tick += 1
+        else:
+            while len(added[1]) < len(arrivals) and arrivals[len(added[1])] <= clocks[1]:
+                add(1)
+            if not other.has_unfinished():  # idle until the next arrival
+                clocks[1] = arrivals[len(added[1])]
+                continue
+        if engines[i].has_unfinished():
+            start = time.perf_counter()
+            finished = engines[i].step()
+            clocks[i] += time.perf_counter() - start
+            latency[i] += sum(clocks[i] - arrived_at[i][r.request_id] for r in finished)
+    return tuple(Timed(clocks[i], sum(len(r.output_ids) for r in added[i]), added[i], engine.num_steps - steps[i],
+                       engine.forward_s - forward_s[i], latency[i] / max(count, 1)) for i, engine in enumerate(engines))
 
 
 @dataclass

@@ -15,10 +15,32 @@ from infer.sampling_params import SamplingParams
 from infer.speculative import SpecStats
 from infer.speedup import (
     COST_CONTEXT, Comparison, IdealShare, StepOverhead, Timed, compare, cost_context, ideal_speedup,
-    ideal_speedup_with_tail, interleaved_generate, live_per_verify_step, predicted_speedup, predicted_tau,
-    recommend_k, timed_costs, timed_generate,
+    ideal_speedup_with_tail, interleaved_generate, interleaved_stream, live_per_verify_step, predicted_speedup,
+    predicted_tau, recommend_k, timed_costs, timed_generate,
 )
 from mtp_train.export import export_head, main
+
+
+def spin(seconds: float) -> None:
+    """Busy-wait: load that holds the core, as a slow spell of a shared machine does (a sleep would let it idle)."""
+    until = time.perf_counter() + seconds
+    while time.perf_counter() < until:
+        pass
+
+
+def slow_spell(monkeypatch: pytest.MonkeyPatch, steps: int = 16, seconds: float = 0.005) -> list[Engine]:
+    """The machine slow for its next `steps` engine steps, each `seconds` longer: the engines that took them, in
+    order."""
+    step, slow_steps = Engine.step, []
+
+    def step_in_a_spell(self):
+        if len(slow_steps) < steps:
+            slow_steps.append(self)
+            spin(seconds)
+        return step(self)
+
+    monkeypatch.setattr(Engine, "step", step_in_a_spell)
+    return slow_steps
 
 
 def test_tau_is_one_plus_the_compounded_conditional_acceptance():
@@ -216,17 +238,7 @@ def test_interleaved_runs_share_a_spell_of_load_that_runs_one_after_the_other_do
     first, second = (Engine(stories_model, stories_tokenizer, [2], config) for _ in range(2))
     prompts = [stories_tokenizer.encode("Once upon a time"), stories_tokenizer.encode("Lily had a dog")]
     params = SamplingParams(max_new_tokens=24, ignore_eos=True)
-    step, slow_steps = Engine.step, []
-
-    def step_in_a_spell(self):
-        if len(slow_steps) < 16:
-            slow_steps.append(self)
-            until = time.perf_counter() + 0.005
-            while time.perf_counter() < until:
-                pass
-        return step(self)
-
-    monkeypatch.setattr(Engine, "step", step_in_a_spell)
+    slow_steps = slow_spell(monkeypatch)
     a, b = interleaved_generate((first, second), prompts, params)
     assert a.tokens == b.tokens == 48 and a.steps == b.steps == 24
     assert [r.output_ids for r in a.requests] == [r.output_ids for r in b.requests]
@@ -236,6 +248,42 @@ def test_interleaved_runs_share_a_spell_of_load_that_runs_one_after_the_other_do
     one, other = timed_generate(first, prompts, params), timed_generate(second, prompts, params)
     assert slow_steps.count(first) == 16
     assert one.seconds / other.seconds > 1.4
+
+
+def test_a_stream_of_arrivals_is_interleaved_and_timed_on_each_engines_own_clock(stories_model, stories_tokenizer,
+                                                                                monkeypatch):
+    """infer.bench --arrivals: two identical engines (true latency ratio 1) take a stream of 4 requests, one every 3
+    steps of the first, on a machine slow for its first 16 steps: interleaved by their own clocks, each meets about
+    half of the spell and the latency ratio stays near 1, with the same tokens. Then the second engine spins 20 ms a step:
+    its seconds never count on the first's clock."""
+    config = EngineConfig(backend="torch", page_size=8, num_pages=64)
+    prompts = [stories_tokenizer.encode("Once upon a time"), stories_tokenizer.encode("Lily had a dog")]
+    params = SamplingParams(max_new_tokens=16, ignore_eos=True)
+    step, add_request, added = Engine.step, Engine.add_request, []
+    slow_steps = slow_spell(monkeypatch)
+    first, second = (Engine(stories_model, stories_tokenizer, [2], config) for _ in range(2))
+    a, b = interleaved_stream(first, second, prompts, params, count=4, every=3)
+    assert a.tokens == b.tokens == 64 and len(a.requests) == len(b.requests) == 4
+    assert [r.output_ids for r in a.requests] == [r.output_ids for r in b.requests]
+    assert 6 <= slow_steps.count(first) <= 10  # by clock, not turn by turn: about half (one after the other: 16)
+    assert 0.8 < a.latency_s / b.latency_s < 1.25 and 0.8 < a.seconds / b.seconds < 1.25
+
+    def slow_second(self):
+        if self is slow:
+            spin(0.020)
+        return step(self)
+
+    def logged_add(self, *args, **kwargs):
+        added.append(self)
+        return add_request(self, *args, **kwargs)
+
+    monkeypatch.setattr(Engine, "step", slow_second)
+    monkeypatch.setattr(Engine, "add_request", logged_add)
+    fast, slow = (Engine(stories_model, stories_tokenizer, [2], config) for _ in range(2))
+    a, b = interleaved_stream(fast, slow, prompts, params, count=4, every=3)
+    assert a.seconds < 0.25 * b.seconds and a.latency_s < 0.25 * b.latency_s  # 20 ms a step: the second's alone
+    assert b.seconds >= 0.020 * 16  # at least its own steps for the last request's 16 tokens
+    assert added.count(fast) == added.count(slow) == 4
 
 
 def test_the_runtime_steps_alongside_transformers_generate_one_step_each(stories_hf_dir, stories_model,
@@ -252,9 +300,7 @@ def test_the_runtime_steps_alongside_transformers_generate_one_step_each(stories
 
     def engine_step(self):
         events.append("ours")
-        until = time.perf_counter() + 0.030  # 30 ms a step: far more than transformers' stories260K step
-        while time.perf_counter() < until:
-            pass
+        spin(0.030)  # 30 ms a step: far more than transformers' stories260K step
         return step(self)
 
     def hf_forward(*args, **kwargs):
@@ -298,9 +344,7 @@ def test_forward_costs_time_the_models_in_turns_as_a_step_runs_them(stories_mode
 
     def forward_in_turns(self, *args, **kwargs):
         if last and last[-1] is not self:
-            until = time.perf_counter() + turn
-            while time.perf_counter() < until:
-                pass
+            spin(turn)
         last.append(self)
         return forward(self, *args, **kwargs)
 
