@@ -626,7 +626,7 @@ class Engine:
             for table in tables:
                 table.extend(context + max(k + 1, burst))
             timed = _TimedForwards(self, [t.pages for t in tables], context, k)
-            costs = timed.fastest_burst(repeats, lambda: timed.in_turns(burst, timed.decode_run(burst)),
+            costs = timed.fastest_burst(repeats, lambda: timed.round(burst),
                                         key=lambda c: c.decode + c.drafting(k) + c.verify)  # a decode and a cycle
             if not alone:
                 return costs
@@ -767,6 +767,11 @@ class _TimedForwards:
         on a shared machine only ever adds time."""
         burst()
         return min((burst() for _ in range(repeats)), key=key)
+
+    def round(self, steps: int) -> ForwardCosts:
+        """A decode run of `steps` forwards, then `steps` speculative cycles (`in_turns`)."""
+        decode = self.decode_run(steps)
+        return self.in_turns(steps, decode)
 
     def in_turns(self, cycles: int, decode: float) -> ForwardCosts:
         """The costs of `cycles` speculative cycles as a step runs them, each forward timed on its own (the mean of
