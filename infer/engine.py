@@ -715,10 +715,13 @@ class _TimedForwards:
         self.ids = {q_len: torch.ones(batch * q_len, dtype=torch.long, device=device) for q_len in (1, k + 1)}
         self.rows = {q_len: torch.arange(batch * q_len, device=device) for q_len in (1, k + 1)}
         self.draft_inputs = self._head_inputs(batch)
-        # a head's catch-up: every verify row, its output at each sequence's last (as MTPDrafter._run_verify_rows)
-        self.catch_up_rows = torch.arange(batch, device=device) * (k + 1) + k if engine.drafter.one_layer else None
-        self.catch_up_meta = replace(self.verify_meta, output_rows=self.catch_up_rows)
-        self.catch_up_inputs = self._head_inputs(batch * (k + 1))
+        # a head's catch-up: every verify row, its output at each sequence's last (as MTPDrafter._run_verify_rows);
+        # a draft LM has none
+        self.catch_up_rows = self.catch_up_meta = None
+        if engine.drafter.one_layer:
+            self.catch_up_rows = torch.arange(batch, device=device) * (k + 1) + k
+            self.catch_up_meta = replace(self.verify_meta, output_rows=self.catch_up_rows)
+            self.catch_up_inputs = self._head_inputs(batch * (k + 1))
 
     def _head_inputs(self, rows: int) -> dict:
         """A head's hidden-state input over `rows` rows (none for a draft LM)."""
