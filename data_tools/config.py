@@ -60,6 +60,8 @@ class ModelConfig:
     validate_tp: int = field(default=1, metadata=at_least(1))  # ranks that serve the target in validation, 1/T each
     draft_vocab_size: Optional[int] = field(default=None, metadata=at_least(1))  # EAGLE-3's, per target vocabulary
     head_intermediate_size: Optional[int] = field(default=None, metadata=at_least(1))  # heads' MLP (null: the target's)
+    # EAGLE-3 heads' key/value heads (null: the target's)
+    head_num_key_value_heads: Optional[int] = field(default=None, metadata=at_least(1))
 
 
 @dataclass
@@ -109,6 +111,7 @@ class HeadConfig:
     draft_vocab_rule: str = field(default="probability", metadata=one_of("probability", "frequency"))
     draft_vocab_tokens: int = field(default=2_000_000, metadata=at_least(1))
     trainable_lm_head: bool = False
+    num_key_value_heads: Optional[int] = field(default=None, metadata=at_least(1))  # EAGLE-3's (null: the target's)
     norm_before_residual: bool = False  # EAGLE-3: its residual starts from the normed fused state (conf/head/eagle3)
 
 

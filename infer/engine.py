@@ -506,7 +506,7 @@ class Engine:
             request.spec_stats.record(len(tokens) - 1)
             self.spec_stats.record(len(tokens) - 1)
             first = request.num_computed
-            if any(self._append_token(request, token, settle=True) for token in tokens):
+            if self._append_verified(request, tokens):
                 finished.append(request)
             elif not out.caught_up:
                 self.drafter.rollback(request.request_id, request.num_computed)  # rejected drafts past the prefix
@@ -571,8 +571,31 @@ class Engine:
             request.finish_reason = "stop"
         elif len(request.output_ids) >= params.max_new_tokens or request.num_tokens >= self.max_model_len:
             request.finish_reason = "length"
-        if request.finish_reason is None:
-            return False
+        return request.finish_reason is not None and self._finish(request)
+
+    def _append_verified(self, request: Request, tokens: list[int]) -> bool:
+        """`_append_token(request, token, settle=True)` for each of a verify step's emitted tokens in turn, up to the
+        first that stops the request, in one pass (a speculating step settles some B * tau tokens; the stop
+        strings alone need the text after every token)."""
+        if request.params.stop:
+            return any(self._append_token(request, token, settle=True) for token in tokens)
+        # the last token kept: the first stop token, or the one that reaches a length limit (a stop wins a tie)
+        room = max(1, min(request.params.max_new_tokens - len(request.output_ids),
+                          self.max_model_len - request.num_tokens))
+        stop = next((j for j, token in enumerate(tokens) if token in request.stop_ids), len(tokens))
+        last = min(stop, room - 1, len(tokens) - 1)
+        kept = tokens[: last + 1]
+        request.num_computed = request.num_tokens + last  # every position before the last kept token is settled
+        request.output_ids.extend(kept)
+        request.token_ids.extend(kept)
+        if last == stop:
+            request.finish_reason = "stop"
+        elif last == room - 1:
+            request.finish_reason = "length"
+        return request.finish_reason is not None and self._finish(request)
+
+    def _finish(self, request: Request) -> bool:
+        """A request that just stopped: its time, pages, drafter state and text. True."""
         request.finish_time = time.perf_counter()
         request.page_table.free()
         if self.drafter is not None:

@@ -51,6 +51,7 @@ def head_config(config: PretrainedConfig, head_cfg: DictConfig, identity: dict) 
     layer_ids = list(head_cfg.layer_ids) if eagle3 and head_cfg.layer_ids is not None else None
     return head_config_for(config, identity, head_cfg.architecture, head_cfg.hidden_state, head_cfg.mlp,
                            layer_ids=layer_ids, intermediate_size=head_cfg.intermediate_size,
+                           num_key_value_heads=head_cfg.num_key_value_heads,
                            draft_vocab_size=head_cfg.draft_vocab_size if eagle3 else None,
                            trainable_lm_head=bool(head_cfg.trainable_lm_head) if eagle3 else False,
                            norm_before_residual=bool(head_cfg.norm_before_residual) if eagle3 else False,

@@ -13,6 +13,8 @@
 
 from __future__ import annotations
 
+import copy
+
 import pytest
 import torch
 from torch import Tensor
@@ -186,6 +188,52 @@ def test_a_head_fusing_the_last_layers_output_is_served_with_it(stories_model, s
                                                                             **setting["engine"]))
         if drafter is not None:
             engine.attach_drafter("eagle3", drafter)
+        runs.append(drive(engine, *workloads[setting["workload"]]))
+    assert runs[1].spec["verify_steps"] > 0 and runs[1].spec["acceptance_per_position"][0] > 0.2
+    assert_greedy_identical(stories_model, workloads[setting["workload"]][0], runs[0], runs[1])
+    assert runs[1].free_at_end == runs[1].num_pages
+
+
+def test_more_key_value_heads_start_as_the_target_layer_and_are_served(stories_model, stories_tokenizer,  # noqa: F811
+                                                                        workloads):
+    """num_key_value_heads=8 on a target of 4: the untrained head is the same function as the 4-head one (each key
+    and value head repeated for the query heads it served; tiled instead, the control, it is not); trained a little
+    it drafts, the runtime sizes its cache from it, and greedy speculation stays the target's."""
+    identity = target_identity("stories260K", stories_model.config, target_digest(stories_model))
+    shared = SharedTargetWeights(stories_model.model.embed_tokens, stories_model.lm_head)
+    wide = init_eagle3_from_target(head_module(head_config_for(stories_model.config, identity, "eagle3",
+                                                               num_key_value_heads=8)).attach(shared), stories_model)
+    narrow = eagle3_head(stories_model)
+    assert wide.layer.self_attn.num_kv_heads == 8 and narrow.layer.self_attn.num_kv_heads == 4
+    ids, fused = torch.randint(3, 512, (24,), generator=torch.Generator().manual_seed(1)), torch.randn(24, 64)
+
+    def logits(head: Eagle3Head) -> Tensor:
+        with torch.no_grad():
+            return head(ids, torch.arange(24), PackedCausalAttention([24]), [None], hidden_states=fused).logits
+
+    torch.testing.assert_close(logits(wide), logits(narrow), rtol=1e-5, atol=1e-5)
+    tiled = copy.deepcopy(wide)
+    with torch.no_grad():  # the broken control: key / value heads 0 1 2 3 0 1 2 3 instead of 0 0 1 1 2 2 3 3
+        weight, d = tiled.layer.self_attn.qkv_proj.weight, tiled.layer.self_attn.head_dim
+        for start in (64, 128):
+            rows = weight[start : start + 64].unflatten(0, (8, d))
+            weight[start : start + 64] = torch.cat((rows[0::2], rows[0::2])).flatten(0, 1)
+    assert (logits(tiled) - logits(narrow)).abs().max() > 1e-2
+    for bad, match in ((3, "num_key_value_heads=3 must divide"), (2, "multiple of the target's 4")):
+        with pytest.raises(HeadLoadError, match=match):
+            head_config_for(stories_model.config, identity, "eagle3", num_key_value_heads=bad)
+    with pytest.raises(HeadLoadError, match="not mtp's"):
+        head_config_for(stories_model.config, identity, "mtp", num_key_value_heads=8)
+
+    wide = fit_to_text(wide, stories_model, stories_tokenizer.encode(STORY), steps=40)[0]
+    setting = CONFIGS["default"]
+    runs = []
+    for drafter in (None, wide):
+        engine = Engine(stories_model, stories_tokenizer, [2], EngineConfig(num_draft_tokens=3, backend="torch",
+                                                                            **setting["engine"]))
+        if drafter is not None:
+            engine.attach_drafter("eagle3", drafter)
+            assert engine.drafter.runner.kv_caches[0].shape[3] == 8  # [pages, 2, page_size, kv heads, head_dim]
         runs.append(drive(engine, *workloads[setting["workload"]]))
     assert runs[1].spec["verify_steps"] > 0 and runs[1].spec["acceptance_per_position"][0] > 0.2
     assert_greedy_identical(stories_model, workloads[setting["workload"]][0], runs[0], runs[1])

@@ -220,13 +220,15 @@ def target_fields(config: dict, fmt: str) -> tuple:
 
 
 def eagle3_head(model, layer_ids: tuple[int, ...] = (4, 1, 2), trainable_lm_head: bool = False,
-                norm_before_residual: bool = False) -> Eagle3Head:
+                norm_before_residual: bool = False, num_key_value_heads: int | None = None) -> Eagle3Head:
     """A perturbed EAGLE-3 head on stories260K: a 128-id draft vocabulary (random target ids, so d2t is not a
     constant), aux layer ids out of order (the exports write them ascending), the target's lm_head rows shared or
-    (trainable_lm_head) its own, its residual the fused state or (norm_before_residual) the normed one."""
+    (trainable_lm_head) its own, its residual the fused state or (norm_before_residual) the normed one, the target's
+    key/value heads or num_key_value_heads."""
     identity = target_identity("stories260K", model.config, target_digest(model))
     config = head_config_for(model.config, identity, "eagle3", layer_ids=list(layer_ids), draft_vocab_size=128,
-                             trainable_lm_head=trainable_lm_head, norm_before_residual=norm_before_residual)
+                             trainable_lm_head=trainable_lm_head, norm_before_residual=norm_before_residual,
+                             num_key_value_heads=num_key_value_heads)
     head = init_eagle3_from_target(head_module(config).attach(shared_weights(model)), model)
     head.set_draft_vocab(torch.randperm(512, generator=torch.Generator().manual_seed(4))[:128])
     head.share_lm_head_rows()
@@ -335,12 +337,20 @@ def test_heads_the_engines_would_serve_differently_are_refused_with_the_reason(h
 
 
 @pytest.mark.parametrize("fmt", ["runtime", "eagle3", "speculators"])
-@pytest.mark.parametrize("trainable_lm_head", [False, True])
-def test_an_eagle3_head_reloads_from_each_format_to_the_same_logits(stories_model, tmp_path, fmt, trainable_lm_head):
-    """Its layer ids out of order: a reload that did not undo the export's fc permutation would change the logits."""
-    head = eagle3_head(stories_model, trainable_lm_head=trainable_lm_head)
-    reloaded = load_export(export_head(head, fmt, tmp_path / fmt), stories_model)
-    assert reloaded.config == head.config
+@pytest.mark.parametrize("trainable_lm_head,kv_heads", [(False, None), (True, None), (False, 8)])
+def test_an_eagle3_head_reloads_from_each_format_to_the_same_logits(stories_model, tmp_path, fmt, trainable_lm_head,
+                                                                     kv_heads):
+    """Its layer ids out of order: a reload that did not undo the export's fc permutation would change the logits.
+    A head of more key/value heads than the target's (8 of 8 query heads) writes them where each engine reads the
+    layer's shapes."""
+    head = eagle3_head(stories_model, trainable_lm_head=trainable_lm_head, num_key_value_heads=kv_heads)
+    folder = export_head(head, fmt, tmp_path / fmt)
+    if kv_heads is not None and fmt != "runtime":
+        config = json.loads((folder / "config.json").read_text())
+        assert (config["transformer_layer_config"] if fmt == "speculators" else config)["num_key_value_heads"] == 8
+        assert not [problem for loader in loaders(fmt) for problem in check(folder, loader)]
+    reloaded = load_export(folder, stories_model)
+    assert reloaded.config == head.config and reloaded.layer.self_attn.num_kv_heads == (kv_heads or 4)
     ids = torch.randint(3, 512, (20,), generator=torch.Generator().manual_seed(6))
     torch.testing.assert_close(eagle3_logits(reloaded, stories_model, ids), eagle3_logits(head, stories_model, ids),
                                rtol=0, atol=0)

@@ -220,13 +220,15 @@ class Eagle3Head(DraftHead):
 
         q/k/v read the state half only (the embedding half starts at zero and learns), hidden_norm is the target
         layer's input norm and the embedding's norm starts at ones: the untrained head runs that target layer on
-        the fused state, a real but weak guess."""
+        the fused state, a real but weak guess. A head with more key/value heads than the target's layer
+        (num_key_value_heads) starts with each of the target's repeated for the query heads it served: the same
+        function."""
         with torch.no_grad():
             qkv = self.layer.self_attn.qkv_proj
             qkv.weight.zero_()
-            qkv.weight[:, self.config.hidden_size:] = layer["self_attn.qkv_proj.weight"]
+            qkv.weight[:, self.config.hidden_size:] = self._kv_heads_repeated(layer["self_attn.qkv_proj.weight"])
             if qkv.bias is not None:
-                qkv.bias.copy_(layer["self_attn.qkv_proj.bias"])
+                qkv.bias.copy_(self._kv_heads_repeated(layer["self_attn.qkv_proj.bias"]))
             self.layer.hidden_norm.weight.copy_(layer["input_layernorm.weight"])
             self.layer.input_layernorm.weight.fill_(1.0)
             own = ("self_attn.qkv_proj.", "input_layernorm.", "hidden_norm.")
@@ -236,6 +238,22 @@ class Eagle3Head(DraftHead):
             if missing or unexpected:
                 raise HeadLoadError(f"an EAGLE-3 layer from a target layer: missing {missing[:4]}, unexpected "
                                     f"{unexpected[:4]}")
+
+    def _kv_heads_repeated(self, fused: torch.Tensor) -> torch.Tensor:
+        """A target layer's fused q/k/v rows (this rank's) with each key and value head repeated for this head's
+        num_key_value_heads: query head h reads key/value head h // group in both."""
+        attn = self.layer.self_attn
+        q_rows = attn.num_heads * attn.head_dim
+        target_kv = (fused.shape[0] - q_rows) // (2 * attn.head_dim)
+        if target_kv == attn.num_kv_heads:
+            return fused
+        if target_kv == 0 or attn.num_kv_heads % target_kv:
+            raise HeadLoadError(f"an EAGLE-3 layer of {attn.num_kv_heads} key/value heads cannot start from a target "
+                                f"layer of {target_kv}: num_key_value_heads must be a multiple of the target's")
+        repeat = lambda rows: rows.unflatten(0, (target_kv, -1)).repeat_interleave(  # noqa: E731
+            attn.num_kv_heads // target_kv, dim=0).flatten(0, 1)
+        k, v = fused[q_rows:].chunk(2)
+        return torch.cat((fused[:q_rows], repeat(k), repeat(v)))
 
     def share_lm_head_rows(self) -> None:
         """A trainable lm_head starts from the target's rows at the draft ids."""

@@ -184,7 +184,7 @@ def head_config_for(target_config: PretrainedConfig, identity: dict, architectur
                     hidden_state: str = "pre_norm", mlp: str = "dense", layer_ids: list[int] | None = None,
                     draft_vocab_size: int | None = None, trainable_lm_head: bool = False,
                     norm_before_residual: bool = False, intermediate_size: int | None = None,
-                    **switches: bool) -> MTPHeadConfig:
+                    num_key_value_heads: int | None = None, **switches: bool) -> MTPHeadConfig:
     """A head whose decoder layer is shaped like one of the target's layers.
 
     The norm and bias switches (enorm, hnorm, final_norm, proj_bias, layer_input_norm) default to the
@@ -193,7 +193,8 @@ def head_config_for(target_config: PretrainedConfig, identity: dict, architectur
     (infer.models.eagle3_head): the switches do not apply; layer_ids (None: the default rule), draft_vocab_size
     (None: the whole vocabulary), trainable_lm_head and norm_before_residual do. intermediate_size: the layer's dense
     MLP width (None: the target's; on a small target a wider head MLP costs little and drafts better, README "Head
-    recipe").
+    recipe"). num_key_value_heads: an EAGLE-3 layer's key/value heads (None: the target's; more widen the only path
+    by which its token reaches the residual stream, README "Head recipe").
     """
     kind = target_config.model_type
     if kind not in DECODER_KEYS:
@@ -216,6 +217,14 @@ def head_config_for(target_config: PretrainedConfig, identity: dict, architectur
     if unknown:
         raise HeadLoadError(f"unknown head switch {unknown[0]!r}: choose from {', '.join(defaults)}")
     fields = {**defaults, **switches}
+    if num_key_value_heads is not None:
+        heads = decoder["num_attention_heads"]
+        if architecture != "eagle3" or kind != "llama":
+            raise HeadLoadError(f"num_key_value_heads sets an EAGLE-3 layer's key/value heads, not {architecture}'s")
+        if heads % num_key_value_heads or num_key_value_heads % decoder["num_key_value_heads"]:
+            raise HeadLoadError(f"num_key_value_heads={num_key_value_heads} must divide the {heads} attention heads "
+                                f"and be a multiple of the target's {decoder['num_key_value_heads']}")
+        decoder["num_key_value_heads"] = num_key_value_heads
     if architecture == "eagle3":
         fields = eagle3_config_fields(target_config, layer_ids, draft_vocab_size, trainable_lm_head,
                                       norm_before_residual)
