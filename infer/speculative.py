@@ -40,7 +40,7 @@ the first draft reads them as they are.
 
 from __future__ import annotations
 
-import dataclasses
+import copy
 import itertools
 import math
 import time
@@ -312,21 +312,21 @@ class MTPDrafter(Drafter):
         carry = self._run_verify_rows(seqs, own_tokens, last_rows, target_hidden, verify_meta)
         self._hold(seqs, carry, num_emitted.tolist())  # the step's host read, after the head's forward was launched
 
-    def catch_up_accepted(self, seqs: list[Sequence], emitted: list[list[int]], target_hidden: Tensor,
+    def catch_up_accepted(self, seqs: list[Sequence], own_tokens: Tensor, counts: list[int], target_hidden: Tensor,
                           verify_meta: PageMetadata) -> None:
         """The default schedule's catch-up when the verify rows had the target's forward to themselves: the host has
-        read the emitted tokens, and the head runs over all K+1 verify rows on the verify forward's own metadata
-        (no second build, no per-request slices of the target's hidden states), its output at each request's last
-        emitted row alone. Rows past the emitted ones read token 0: redundant work, rewritten by the next step's
-        drafts and catch-up before any query reads them (as in the verified schedule).
+        read how many tokens each request emitted, and the head runs over all K+1 verify rows on the verify forward's
+        own metadata (no second build, no per-request slices of the target's hidden states), its output at each
+        request's last emitted row alone. Rows past the emitted ones read whatever own_tokens holds there: redundant
+        work, rewritten by the next step's drafts and catch-up before any query reads them (as in the verified
+        schedule).
 
-        emitted: per request its 1..K+1 tokens; target_hidden [B, K+1, H]."""
+        own_tokens [B, K+1]: the emitted tokens first in each row; counts: per request how many (1..K+1);
+        target_hidden [B, K+1, H]."""
         width = target_hidden.shape[1]  # K+1
-        pad = [0] * width
-        own_tokens = torch.tensor([t for row in emitted for t in (row + pad[len(row):])], device=self.device)
-        last_rows = torch.tensor([b * width + len(row) - 1 for b, row in enumerate(emitted)], device=self.device)
+        last_rows = torch.tensor([b * width + n - 1 for b, n in enumerate(counts)], device=self.device)
         carry = self._run_verify_rows(seqs, own_tokens, last_rows, target_hidden, verify_meta)
-        self._hold(seqs, carry, [len(row) for row in emitted])
+        self._hold(seqs, carry, counts)
 
     def _run_verify_rows(self, seqs: list[Sequence], own_tokens: Tensor, last_rows: Tensor, target_hidden: Tensor,
                          verify_meta: PageMetadata | None) -> Carry:
@@ -336,7 +336,8 @@ class MTPDrafter(Drafter):
         if verify_meta is None:
             verify_meta = build_page_metadata([s.page_table.pages for s in seqs], [width] * batch,
                                               [s.num_computed + width for s in seqs], self.page_size, self.device)
-        meta = dataclasses.replace(verify_meta, output_rows=last_rows)
+        meta = copy.copy(verify_meta)  # dataclasses.replace would run __init__ again: 4x the time at batch 8
+        meta.output_rows = last_rows
         out = self._run(own_tokens.flatten(), meta, last_rows, target_hidden.flatten(0, 1))
         return Carry(out.logits, self._scored_hidden(out, last_rows))
 
@@ -404,10 +405,11 @@ def speculative_decode(
     hidden = out.hidden_states.view(batch, k + 1, -1)  # [B, K+1, H]
     verified = schedule == "verified"
     emitted = None
+    target_argmax = target_logits.argmax(-1) if draft_probs is None else None  # [B, K+1]
     if draft_probs is None and not verified:  # only the host reads the outcome: cut it there
-        rows = greedy_accept(draft_ids, target_logits.argmax(-1))
+        rows = greedy_accept(draft_ids, target_argmax)
     elif draft_probs is None:
-        emitted, num_emitted = greedy_verify(draft_ids, target_logits.argmax(-1))
+        emitted, num_emitted = greedy_verify(draft_ids, target_argmax)
     else:
         repeat = lambda t: t.repeat_interleave(k + 1)  # noqa: E731 - per request -> per verified position
         p = target_probs(target_logits.flatten(0, 1), repeat(sampling.temperature), repeat(sampling.top_k),
@@ -422,7 +424,8 @@ def speculative_decode(
     # The accepted schedule catches a head up here, on the verify forward's metadata, when the verify rows had that
     # forward to themselves; otherwise the engine runs the catch-up over the accepted spans once it has settled them.
     on_verify_rows = not verified and verify_meta is not None and isinstance(drafter, MTPDrafter)
-    if on_verify_rows:
-        drafter.catch_up_accepted(seqs, rows, hidden, verify_meta)
+    if on_verify_rows:  # greedy: a row's emitted tokens are its first argmaxes (the accepted drafts, the correction)
+        own_tokens = target_argmax if emitted is None else torch.where(emitted >= 0, emitted, verify_ids)
+        drafter.catch_up_accepted(seqs, own_tokens, [len(row) for row in rows], hidden, verify_meta)
     return SpecOutput(rows, hidden, draft_time + time.perf_counter() - start, verify_time,
                       caught_up=verified or on_verify_rows)
