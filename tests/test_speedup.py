@@ -364,9 +364,10 @@ def test_a_heads_forward_costs_open_each_cycle_with_its_catch_up(stories_model, 
     """A head's step drafts K tokens with K forwards: the catch-up over the K+1 verify rows of each sequence, whose
     output at one row each is the first draft, then K-1 drafts. The ideal prices that forward at its own cost: the
     cycles timed run exactly that pattern, and t(drafting K) = t(catch-up) + (K-1) t(draft); a draft LM's cycle (the
-    control) has no catch-up and K drafts."""
+    control) has no catch-up and K drafts. Each cycle's drafts are the steps of a fresh decode run, as a step's
+    drafts are (one step's metadata, which no draft reads, would skip the run's plan)."""
     config = EngineConfig(num_draft_tokens=3, backend="torch", page_size=8, num_pages=64, decode_run_steps=2)
-    forward, calls = ModelRunner.forward, []
+    forward, calls, draft_steps = ModelRunner.forward, [], []
 
     def timed_forwards(kind: str, drafter: torch.nn.Module) -> ForwardCosts:
         engine = Engine(stories_model, stories_tokenizer, [2], config)
@@ -375,9 +376,12 @@ def test_a_heads_forward_costs_open_each_cycle_with_its_catch_up(stories_model, 
         def logged(self, input_ids, meta, *args, **kwargs):
             calls.append(("target" if self is engine.runner else "drafter", input_ids.shape[0],
                           meta.output_rows is not None and meta.max_q_len > 1))
+            if self is not engine.runner and meta.max_q_len == 1:
+                draft_steps.append((meta.decode_run, meta.decode_step))
             return forward(self, input_ids, meta, *args, **kwargs)
 
         calls.clear()
+        draft_steps.clear()
         monkeypatch.setattr(ModelRunner, "forward", logged)
         return engine.forward_costs(2, context=16, repeats=1)
 
@@ -385,12 +389,16 @@ def test_a_heads_forward_costs_open_each_cycle_with_its_catch_up(stories_model, 
     decode_run = [("target", 2, False)] * 2
     costs = timed_forwards("mtp", init_head_from_target(stories_model, "stories260K"))
     assert calls == 2 * (decode_run + 2 * [catch_up, draft, draft, verify])  # a warm-up round, then one timed
+    runs = [run for run, _ in draft_steps]
+    assert [step for _, step in draft_steps] == [0, 1] * 4 and None not in runs  # a run's steps 0 and 1 per cycle
+    assert all(runs[i] is runs[i + 1] for i in range(0, 8, 2)) and len({id(run) for run in runs}) == 4
     assert costs.catch_up > 0 and costs.drafting(3) == pytest.approx(costs.catch_up + 2 * costs.draft)
     assert ideal_speedup(2.0, costs, 3) == pytest.approx(2.0 * costs.decode / (costs.drafting(3) + costs.verify))
     assert ForwardCosts(1.0, 0.1, 1.0, catch_up=0.3).drafting(1) == pytest.approx(0.3)
 
     lm_costs = timed_forwards("draft", stories_model)
     assert calls == 2 * (decode_run + 2 * [draft, draft, draft, verify]) and lm_costs.catch_up is None
+    assert [step for _, step in draft_steps] == [0, 1, 2] * 4 and len({id(run) for run, _ in draft_steps}) == 4
     assert lm_costs.drafting(3) == pytest.approx(3 * lm_costs.draft)
 
 
