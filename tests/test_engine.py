@@ -286,6 +286,41 @@ def test_stop_on_max_new_tokens(make_engine):
     assert all(r.finish_reason == "length" for r in requests)
 
 
+def test_a_verify_steps_tokens_settle_as_appended_one_at_a_time(make_engine):
+    """A verify step's emitted tokens settled at once (`_append_verified`) leave a request as `_append_token` leaves it
+    token by token: the tokens kept up to the first stop id or the length limit (new tokens or the context), the
+    settled prefix, the finish reason, the text, the pages freed. Random emissions of 1-5 tokens with stop ids;
+    settling every emitted token (the broken control) differs."""
+    rng = random.Random(0)
+    by_one, at_once, control = make_engine(), make_engine(), make_engine()
+    differs = 0
+    for _ in range(300):
+        params = SamplingParams(max_new_tokens=rng.randint(1, 6), stop_token_ids=(7, 9) if rng.random() < 0.5 else None,
+                                ignore_eos=rng.random() < 0.2)
+        prompt = [1] + [rng.randint(10, 500) for _ in range(rng.choice([3, 506, 509]))]  # some at the context's end
+        states = []
+        for engine in (by_one, at_once, control):
+            request = engine.add_request(prompt, params)
+            engine.waiting.clear()
+            request.page_table.extend(len(prompt))
+            request.num_computed = len(prompt) - 1  # the prompt in the cache but its last token, as after a decode
+            states.append(request)
+        emitted = [rng.choice([2, 7, 9, rng.randint(10, 500)]) for _ in range(rng.randint(1, 5))]
+        one, once, naive = states
+        stopped = any(by_one._append_token(one, token, settle=True) for token in emitted)
+        assert at_once._append_verified(once, emitted) == stopped
+        fields = lambda r: (r.output_ids, r.token_ids, r.num_computed, r.finish_reason, r.text,  # noqa: E731
+                            r.page_table.pages)
+        assert fields(once) == fields(one), (emitted, params)
+        naive.num_computed = naive.num_tokens + len(emitted) - 1
+        naive.output_ids.extend(emitted)
+        naive.token_ids.extend(emitted)
+        differs += fields(naive)[:3] != fields(one)[:3]
+        for request in states:
+            request.page_table.free()
+    assert differs > 50
+
+
 def test_stop_string_truncates_the_text_before_it(make_engine):
     engine = make_engine()
     (request,) = engine.generate([[1]], greedy(40, stop=("Lily",)))
