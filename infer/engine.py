@@ -757,7 +757,8 @@ class _TimedForwards:
 
     def draft(self, meta: PageMetadata | None = None) -> None:
         """One draft forward: on `meta`, a step of a cycle's draft run, or on one step's metadata (`alone`)."""
-        self.engine.drafter.runner.run(self.ids[1], meta or self.draft_meta, self.rows[1], **self.draft_inputs)
+        self.engine.drafter.runner.run(self.ids[1], self.draft_meta if meta is None else meta, self.rows[1],
+                                       **self.draft_inputs)
 
     def catch_up(self) -> None:
         self.engine.drafter.runner.run(self.ids[self.k + 1], self.catch_up_meta, self.catch_up_rows,

@@ -48,13 +48,15 @@ DIST_N = 3000
 
 # --- helpers shared with tests/test_ttt.py and tests/test_mtp_head.py -----------------------------------------------
 def eagle3_head(model, draft_vocab: int | None = None, trainable_lm_head: bool = False,
-                draft_ids: Tensor | None = None, layer_ids: list[int] | None = None) -> Eagle3Head:
+                draft_ids: Tensor | None = None, layer_ids: list[int] | None = None,
+                num_key_value_heads: int | None = None) -> Eagle3Head:
     """An untrained EAGLE-3 head on stories260K (init_eagle3_from_target); with a draft vocabulary of `draft_ids`, or
     of the `draft_vocab` ids the target gives most probability on a fixed random context."""
     identity = target_identity("stories260K", model.config, target_digest(model))
     size = draft_vocab if draft_ids is None else draft_ids.numel()
     config = head_config_for(model.config, identity, "eagle3", draft_vocab_size=size,
-                             trainable_lm_head=trainable_lm_head, layer_ids=layer_ids)
+                             trainable_lm_head=trainable_lm_head, layer_ids=layer_ids,
+                             num_key_value_heads=num_key_value_heads)
     head = head_module(config).attach(SharedTargetWeights(model.model.embed_tokens, model.lm_head))
     init_eagle3_from_target(head, model)
     if size is not None:
@@ -181,17 +183,25 @@ def test_a_head_fusing_the_last_layers_output_is_served_with_it(stories_model, s
     assert head.target_aux_layers == (0, 2, 4)
     head, batch = fit_to_text(head, stories_model, stories_tokenizer.encode(STORY), steps=25)
     torch.testing.assert_close(batch.aux_hidden_states[:, 2], batch.hidden_states, rtol=0, atol=0)
+    assert_served_as_the_target(stories_model, stories_tokenizer, workloads, head)
+
+
+def assert_served_as_the_target(stories_model, stories_tokenizer, workloads, head: Eagle3Head) -> Engine:  # noqa: F811
+    """K=3 greedy speculation with `head` on the default workload: drafts get accepted, the tokens are the target's
+    alone, every page comes back. Returns the speculative engine."""
     setting = CONFIGS["default"]
-    runs = []
+    runs, engines = [], []
     for drafter in (None, head):
         engine = Engine(stories_model, stories_tokenizer, [2], EngineConfig(num_draft_tokens=3, backend="torch",
                                                                             **setting["engine"]))
         if drafter is not None:
             engine.attach_drafter("eagle3", drafter)
         runs.append(drive(engine, *workloads[setting["workload"]]))
+        engines.append(engine)
     assert runs[1].spec["verify_steps"] > 0 and runs[1].spec["acceptance_per_position"][0] > 0.2
     assert_greedy_identical(stories_model, workloads[setting["workload"]][0], runs[0], runs[1])
     assert runs[1].free_at_end == runs[1].num_pages
+    return engines[1]
 
 
 def test_more_key_value_heads_start_as_the_target_layer_and_are_served(stories_model, stories_tokenizer,  # noqa: F811
@@ -200,10 +210,7 @@ def test_more_key_value_heads_start_as_the_target_layer_and_are_served(stories_m
     and value head repeated for the query heads it served; tiled instead, the control, it is not); trained a little
     it drafts, the runtime sizes its cache from it, and greedy speculation stays the target's."""
     identity = target_identity("stories260K", stories_model.config, target_digest(stories_model))
-    shared = SharedTargetWeights(stories_model.model.embed_tokens, stories_model.lm_head)
-    wide = init_eagle3_from_target(head_module(head_config_for(stories_model.config, identity, "eagle3",
-                                                               num_key_value_heads=8)).attach(shared), stories_model)
-    narrow = eagle3_head(stories_model)
+    wide, narrow = eagle3_head(stories_model, num_key_value_heads=8), eagle3_head(stories_model)
     assert wide.layer.self_attn.num_kv_heads == 8 and narrow.layer.self_attn.num_kv_heads == 4
     ids, fused = torch.randint(3, 512, (24,), generator=torch.Generator().manual_seed(1)), torch.randn(24, 64)
 
@@ -226,18 +233,8 @@ def test_more_key_value_heads_start_as_the_target_layer_and_are_served(stories_m
         head_config_for(stories_model.config, identity, "mtp", num_key_value_heads=8)
 
     wide = fit_to_text(wide, stories_model, stories_tokenizer.encode(STORY), steps=40)[0]
-    setting = CONFIGS["default"]
-    runs = []
-    for drafter in (None, wide):
-        engine = Engine(stories_model, stories_tokenizer, [2], EngineConfig(num_draft_tokens=3, backend="torch",
-                                                                            **setting["engine"]))
-        if drafter is not None:
-            engine.attach_drafter("eagle3", drafter)
-            assert engine.drafter.runner.kv_caches[0].shape[3] == 8  # [pages, 2, page_size, kv heads, head_dim]
-        runs.append(drive(engine, *workloads[setting["workload"]]))
-    assert runs[1].spec["verify_steps"] > 0 and runs[1].spec["acceptance_per_position"][0] > 0.2
-    assert_greedy_identical(stories_model, workloads[setting["workload"]][0], runs[0], runs[1])
-    assert runs[1].free_at_end == runs[1].num_pages
+    spec = assert_served_as_the_target(stories_model, stories_tokenizer, workloads, wide)
+    assert spec.drafter.runner.kv_caches[0].shape[3] == 8  # [pages, 2, page_size, kv heads, head_dim]
 
 
 # --- lossless sampling with a draft vocabulary --------------------------------------------------------------------
