@@ -282,16 +282,23 @@ class _Group:
 MATMUL_ATTENTION_MIN_SEQS = 24  # see `attention`
 
 
+def matmul_attention(num_seqs: int, dtype: torch.dtype, device: torch.device) -> bool:
+    """Whether `attention` takes its batched-matmul path for a group of `num_seqs` sequences (over a mirror's keys)."""
+    return num_seqs >= MATMUL_ATTENTION_MIN_SEQS and dtype == torch.float32 and device.type == "cpu"
+
+
 def attention(q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, mask: torch.Tensor | None,
               scale: float) -> torch.Tensor:
     """q [n, Hkv, rows, Dk] over keys [n, Hkv, L, Dk] and values [n, Hkv, L, Dv], mask additive or None.
 
-    SDPA, except for fp32 CPU queries of at least MATMUL_ATTENTION_MIN_SEQS sequences over keys laid out head-major
-    (a mirror's block: each head's keys contiguous), where two batched matmuls and a softmax beat SDPA's CPU kernel,
-    whose cost there goes to its many tiny per-(sequence, head) tiles (stories260K, 4 KV heads of 8 dims, 170 keys:
-    0.90x its time for decodes at batch 32, 0.88x for verify rows; the same at 8-16, 1.8x slower at batch 1)."""
-    if (q.shape[0] >= MATMUL_ATTENTION_MIN_SEQS and q.dtype == torch.float32 and q.device.type == "cpu"
-            and keys.stride(-2) == keys.shape[-1]):
+    SDPA, except for fp32 CPU queries of at least MATMUL_ATTENTION_MIN_SEQS sequences over a mirror's keys (each
+    head's keys contiguous, row by row or, as the mirror keeps them for this path, transposed: each head's [Dk, L]
+    rows of positions), where two batched matmuls and a softmax beat SDPA's CPU kernel, whose cost there goes to its
+    many tiny per-(sequence, head) tiles (stories260K, 4 KV heads of 8 dims, 170 keys: 0.90x its time for decodes at
+    batch 32, 0.88x for verify rows; the same at 8-16, 1.8x slower at batch 1). Keys stored transposed are what the
+    scores' matmul reads (a [Dk, L] slice of rows), where keys stored row by row are copied transposed by the matmul
+    on every call (_Mirror): plain decoding at batch 32, the batched matmuls 0.83x their time, a step 0.97x."""
+    if matmul_attention(q.shape[0], q.dtype, q.device) and keys.stride(-2) in (keys.shape[-1], 1):
         scores = torch.matmul(q * scale, keys.transpose(-1, -2))  # [n, Hkv, rows, L]
         if mask is not None:
             scores.add_(mask)
@@ -300,9 +307,13 @@ def attention(q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, mask: t
 
 
 class _Mirror:
-    """One batch's keys and values, per GQA layer, in contiguous blocks [2, n, Hkv, capacity, D] (K then V, head-major:
-    the row of a key in its head is its position): a copy of the paged cache that a backend keeps while its forwards
-    attend the same sequences, so a layer reads its keys as a view instead of a gather from the pages.
+    """One batch's keys and values, per GQA layer, in one contiguous block each: a copy of the paged cache that a
+    backend keeps while its forwards attend the same sequences, so a layer reads its keys as a view instead of a
+    gather from the pages.
+
+    A block is [2, n, Hkv, capacity * D], K then V, head-major: a head's values are [capacity, D] rows (the row of a
+    key is its position); its keys are the same rows, or, where the batch attends by matmul (`matmul_attention`),
+    transposed, [D, capacity], the layout the scores' matmul reads as it is (`attention`).
 
     It stays exact because every forward of the backend writes its tokens into it as into the cache, and any forward
     over other sequences drops it: a position a forward reads was written since the mirror was built, through the
@@ -312,47 +323,81 @@ class _Mirror:
     def __init__(self, first_pages: torch.Tensor, capacity: int) -> None:
         self.first_pages = first_pages  # [n] each sequence's first page: which sequences, in which order
         self.capacity = capacity
+        self.keys_transposed: bool | None = None  # set by the first gather: by the batch's attention path
         self.blocks: dict[int, torch.Tensor] = {}  # layer cache data_ptr -> its block
         self.unkept: set[int] = set()  # layers past MIRROR_BYTES: they gather every forward
         self.bytes = 0
-        self._offsets: dict[int, torch.Tensor] = {}  # kv_heads -> [2, Hkv] each head's first row, K then V
+        self._offsets: dict[tuple[int, int], torch.Tensor] = {}  # (Hkv, D) -> each head's first index, K then V
         self._starts: dict[tuple[int, ...], torch.Tensor] = {}  # q_lens -> [T] each token's sequence's first row
 
     def holds(self, first_pages: torch.Tensor) -> bool:
         """Whether it mirrors these sequences, in this order."""
         return first_pages.shape == self.first_pages.shape and torch.equal(first_pages, self.first_pages)
 
-    def rows(self, q_lens: list[int], positions: torch.Tensor, kv_heads: int) -> torch.Tensor:
-        """Each sequence's new tokens (q_lens, packed) at their positions [T] -> the rows of their keys, then of their
-        values, in a block's flat [2 * n * Hkv * capacity, D] view: [2, T, Hkv] (one token each: positions may be
-        [S, B], S steps of a run -> [2, S, B, Hkv]). What depends only on the mirror's layout is built once."""
+    def views(self, block: torch.Tensor, length: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """A block's keys and values at positions 0..length-1: two [n, Hkv, length, D] views."""
+        n, kv_heads = block.shape[1:3]
+        rows = block.view(2, n, kv_heads, self.capacity, -1)
+        if not self.keys_transposed:
+            return rows[0, :, :, :length], rows[1, :, :, :length]
+        keys = block[0].view(n, kv_heads, -1, self.capacity)[..., :length].transpose(-1, -2)
+        return keys, rows[1, :, :, :length]
+
+    def write(self, block: torch.Tensor, index: torch.Tensor, kv: torch.Tensor) -> None:
+        """kv = cat(K, V) [2T, Hkv, D] into the block at `index` (`rows`, flattened)."""
+        if self.keys_transposed:
+            block.view(-1).index_copy_(0, index, kv.flatten())
+        else:
+            block.view(-1, kv.shape[-1]).index_copy_(0, index, kv.view(-1, kv.shape[-1]))
+
+    def rows(self, q_lens: list[int], positions: torch.Tensor, kv_heads: int, dim: int) -> torch.Tensor:
+        """Each sequence's new tokens (q_lens, packed) at their positions [T] -> where a block takes their keys, then
+        their values (`write`): [2, T, Hkv], rows of its flat [2 * n * Hkv * capacity, D] view, or, keys transposed,
+        [2, T, Hkv, D], elements of its flat view (positions may be [S, B], S steps of a run -> [2, S, B, Hkv(, D)]).
+        What depends only on the mirror's layout is built once."""
         head_rows = self.capacity * kv_heads  # one sequence's rows
-        offsets = self._offsets.get(kv_heads)
+        values_at = len(self.first_pages) * head_rows  # the values' first row
+        offsets = self._offsets.get((kv_heads, dim))
+        device = positions.device
         if offsets is None:
-            heads = torch.arange(0, head_rows, self.capacity, device=positions.device)  # [Hkv]
-            offsets = self._offsets[kv_heads] = torch.stack((heads, heads + len(q_lens) * head_rows))
+            if self.keys_transposed:  # key element d of head h: row (h * D + d) of positions; value: row h of (D)
+                heads = torch.arange(kv_heads * dim, device=device).view(kv_heads, dim)
+                offsets = torch.stack((heads * self.capacity,
+                                       values_at * dim + heads // dim * self.capacity * dim + heads % dim))
+            else:
+                heads = torch.arange(0, head_rows, self.capacity, device=device)  # [Hkv]
+                offsets = torch.stack((heads, heads + values_at))
+            self._offsets[(kv_heads, dim)] = offsets
         key = tuple(q_lens)
         starts = self._starts.get(key)
         if starts is None:
             starts = torch.tensor([b * head_rows for b, q_len in enumerate(q_lens) for _ in range(q_len)],
-                                  device=positions.device)
+                                  device=device)
             self._starts[key] = starts
-        token_rows = starts + positions  # [T] or [S, B]
-        return offsets.view(2, *[1] * token_rows.dim(), kv_heads) + token_rows[..., None]
+        if not self.keys_transposed:
+            token_rows = starts + positions  # [T] or [S, B]
+            return offsets.view(2, *[1] * token_rows.dim(), kv_heads) + token_rows[..., None]
+        first = starts * dim  # each token's sequence's first element
+        tokens = torch.stack((first + positions, first + positions * dim))  # [2, T]: a key's column, a value's row
+        return offsets.view(2, *[1] * positions.dim(), kv_heads, dim) + tokens[..., None, None]
 
     def gather(self, flat: torch.Tensor, group: "_Group") -> torch.Tensor | None:
         """A layer's first read: its keys gathered from the cache (this forward's tokens are in it already) into a
         new block, kept while MIRROR_BYTES allow (None past them)."""
         batch, max_kv = group.read_shape
         kv_heads, dim = flat.shape[1:]
-        shape = (2, batch, kv_heads, self.capacity, dim)
+        shape = (2, batch, kv_heads, self.capacity * dim)
         nbytes = math.prod(shape) * flat.element_size()
         if self.bytes + nbytes > MIRROR_BYTES:
             self.unkept.add(flat.data_ptr())
             return None
+        if self.keys_transposed is None:
+            self.keys_transposed = matmul_attention(batch, flat.dtype, flat.device)
         block = flat.new_zeros(shape)  # zeros: a masked key never holds a NaN (0 * NaN would leak into SDPA)
-        gathered = flat.index_select(0, group.kv_read).view(2, batch, max_kv, kv_heads, dim)
-        block[:, :, :, :max_kv] = gathered.transpose(2, 3)
+        keys, values = self.views(block, max_kv)
+        gathered = flat.index_select(0, group.kv_read).view(2, batch, max_kv, kv_heads, dim).transpose(2, 3)
+        keys.copy_(gathered[0])
+        values.copy_(gathered[1])
         self.blocks[flat.data_ptr()] = block
         self.bytes += nbytes
         return block
@@ -457,8 +502,8 @@ class TorchAttention:
             self._run_mirror, self._run_mirror_writes = self._keep_mirror(meta, group.read_shape[1]), None
         self._mirror_tokens = (run, meta.decode_step)
 
-    def _read_kv(self, flat: torch.Tensor, group: _Group, kv: torch.Tensor) -> torch.Tensor:
-        """A group's keys and values [2, n, Hkv, max_kv, D]: a view of the mirror's block for the layer, this
+    def _read_kv(self, flat: torch.Tensor, group: _Group, kv: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """A group's keys and values, [n, Hkv, max_kv, D] each: views of the mirror's block for the layer, this
         forward's kv (cat(K, V), as written into the cache) written into it too, or gathered from the cache."""
         mirror = self._mirror
         if mirror is not None and flat.data_ptr() not in mirror.unkept:
@@ -467,20 +512,21 @@ class TorchAttention:
                 block = mirror.gather(flat, group)
             else:
                 if self.mirror_write is None:  # the forward's first kept layer
-                    self.mirror_write = self._mirror_rows(flat.shape[1])
-                block.view(-1, block.shape[-1]).index_copy_(0, self.mirror_write, kv.view(-1, block.shape[-1]))
+                    self.mirror_write = self._mirror_rows(*flat.shape[1:])
+                mirror.write(block, self.mirror_write, kv)
             if block is not None:
-                return block[:, :, :, : group.read_shape[1]]
-        return flat.index_select(0, group.kv_read).view(2, *group.read_shape, *flat.shape[1:]).transpose(2, 3)
+                return mirror.views(block, group.read_shape[1])
+        return flat.index_select(0, group.kv_read).view(2, *group.read_shape, *flat.shape[1:]).transpose(2, 3).unbind()
 
-    def _mirror_rows(self, kv_heads: int) -> torch.Tensor:
-        """This forward's rows in the mirror's blocks (a decode run's: built for all its steps at once)."""
+    def _mirror_rows(self, kv_heads: int, dim: int) -> torch.Tensor:
+        """Where this forward's keys and values go in the mirror's blocks (a decode run's: built for all its steps
+        at once)."""
         if isinstance(self._mirror_tokens[0], DecodeSteps):
             run, step = self._mirror_tokens
             if self._run_mirror_writes is None:
-                self._run_mirror_writes = self._mirror.rows([1] * run.batch_size, run.positions, kv_heads)
-            return self._run_mirror_writes[:, step].flatten()  # [2, S, B, Hkv] -> step's [2 * B * Hkv]
-        return self._mirror.rows(*self._mirror_tokens, kv_heads).flatten()
+                self._run_mirror_writes = self._mirror.rows([1] * run.batch_size, run.positions, kv_heads, dim)
+            return self._run_mirror_writes[:, step].flatten()  # [2, S, B, Hkv(, D)] -> the step's
+        return self._mirror.rows(*self._mirror_tokens, kv_heads, dim).flatten()
 
     def _gather(self, outs: list[torch.Tensor]) -> torch.Tensor:
         """The groups' outputs [n * q_len, H, D] -> [T, H, D] in packed order."""
@@ -503,7 +549,7 @@ class TorchAttention:
                     group.queries(q), group.queries(k), group.queries(v), is_causal=True, scale=scale, enable_gqa=True
                 ))
             else:
-                keys, values = cast(self._read_kv(flat, group, kv), q.dtype).unbind()  # [n, Hkv, max_kv, D] each
+                keys, values = (cast(x, q.dtype) for x in self._read_kv(flat, group, kv))  # [n, Hkv, max_kv, D]
                 out = group.attend_cached(q, keys, values, scale)
             outs.append(out)
         return self._gather(outs)

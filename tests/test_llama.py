@@ -161,19 +161,21 @@ def test_stories_decodes_of_spread_lengths_attend_in_kv_buckets(stories_model, s
         assert_close(concat_logits(results, b), reference_logits(stories_reference, tokens))
 
 
+@pytest.mark.parametrize("num_seqs", [3, attention.MATMUL_ATTENTION_MIN_SEQS], ids=["sdpa", "matmul"])
 @pytest.mark.parametrize("kept_bytes", [MIRROR_BYTES, 0], ids=["kv-kept", "kv-gathered"])
 @torch.no_grad()
 def test_stories_decode_run_planned_once_matches_transformers(stories_model, stories_reference, monkeypatch,
-                                                              kept_bytes):
+                                                              kept_bytes, num_seqs):
     """A DecodeSteps run (draft forwards, plain decode runs): TorchAttention plans it on its first step (every step
     reads the keys of the last and masks the positions not yet written) and keeps each layer's gathered keys in a
     mirror, later steps writing theirs into it (or, past MIRROR_BYTES, gathers every step); each step still gives
-    transformers' logits, although the cache past every sequence holds garbage."""
+    transformers' logits, although the cache past every sequence holds garbage. A batch that attends by matmul
+    keeps its keys transposed in the mirror, and the run's writes land there too."""
     monkeypatch.setattr(attention, "MIRROR_BYTES", kept_bytes)
-    prompt_lens, num_steps, page_size = [5, 12, 3], 4, 4
+    prompt_lens, num_steps, page_size = [(5, 12, 3)[b % 3] + b // 3 for b in range(num_seqs)], 4, 4
     seqs = random_tokens(512, *(n + num_steps for n in prompt_lens), seed=5)
-    pool = PagePool(64, page_size)
-    caches = [c.normal_(0, 30) for c in stories_model.allocate_kv_cache(64, page_size, torch.float32, torch.device("cpu"))]
+    pool = PagePool(256, page_size)
+    caches = [c.normal_(0, 30) for c in stories_model.allocate_kv_cache(256, page_size, torch.float32, torch.device("cpu"))]
     tables = [PageTable(pool) for _ in seqs]
     for table, n in zip(tables, prompt_lens):
         table.extend(n + num_steps)
@@ -189,6 +191,8 @@ def test_stories_decode_run_planned_once_matches_transformers(stories_model, sto
         ids = torch.stack([s[n + j] for s, n in zip(seqs, prompt_lens)])
         logits.append(stories_model(ids, meta.positions, attn, caches).logits.split(1))
     assert len(attn._mirror.blocks) == (len(caches) if kept_bytes else 0)  # the path under test was taken
+    transposed = num_seqs >= attention.MATMUL_ATTENTION_MIN_SEQS if kept_bytes else None  # None: nothing kept
+    assert attn._mirror.keys_transposed is transposed
     for b, tokens in enumerate(seqs):
         assert_close(torch.cat([step[b] for step in logits]), reference_logits(stories_reference, tokens))
 
@@ -308,21 +312,29 @@ def test_stories_mirror_that_misses_writes_breaks_the_logits(stories_model, stor
 def test_stories_many_sequences_attend_by_matmul_over_the_mirror_and_match_transformers(stories_model,
                                                                                       stories_reference, monkeypatch):
     """Decodes and verify-like rows of MATMUL_ATTENTION_MIN_SEQS or more sequences over a mirror take the batched
-    matmul-softmax path (SDPA serves only the prefill), and every sequence's logits are transformers'."""
+    matmul-softmax path (SDPA serves only the prefill) over keys the mirror keeps transposed, and every sequence's
+    logits are transformers'."""
     sdpa_calls = {"n": 0}
-    sdpa = attention.F.scaled_dot_product_attention
+    sdpa, attend = attention.F.scaled_dot_product_attention, attention.attention
+    key_strides = []
 
     def counted(*args, **kwargs):
         sdpa_calls["n"] += 1
         return sdpa(*args, **kwargs)
 
+    def attend_noting_keys(q, keys, *args):
+        key_strides.append(keys.stride(-2))
+        return attend(q, keys, *args)
+
     monkeypatch.setattr(attention.F, "scaled_dot_product_attention", counted)
+    monkeypatch.setattr(attention, "attention", attend_noting_keys)
     prompt_lens = [5 + i % 4 for i in range(attention.MATMUL_ATTENTION_MIN_SEQS)]  # one prefill group
     seqs = random_tokens(512, *(n + 9 for n in prompt_lens), seed=8)
     steps = decode_steps(seqs, prompt_lens)[:4]  # the prefill, then three decode steps
     steps.append([seq[n + 3 : n + 9] for seq, n in zip(seqs, prompt_lens)])  # then 6 rows each (verify-like)
     results = run_paged(stories_model, steps, page_size=4, num_pages=256)
     assert sdpa_calls["n"] == len(stories_model.model.layers)  # the prefill's causal SDPA, one group, only
+    assert key_strides and set(key_strides) == {1}  # every cached read: keys transposed, positions contiguous
     for b, tokens in enumerate(seqs):
         assert_close(concat_logits(results, b), reference_logits(stories_reference, tokens))
 
