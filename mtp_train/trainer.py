@@ -23,6 +23,7 @@ from omegaconf import DictConfig, OmegaConf
 from data_tools.config import ConfigError
 from infer import parallel
 from infer.engine import Engine
+from infer.host_memory import keep_freed_memory
 from infer.loader import DTYPES, ModelLoadError
 from infer.models.mtp_head import HeadLoadError, save_head, shared_tensors_sha256
 from infer.prompts import PromptFileError, read_prompt_file
@@ -64,6 +65,8 @@ class Trainer:
         self.cfg = cfg
         t = cfg.trainer
         self.rank, self.world, self.device = distributed.init(t.device)
+        if self.device.type == "cpu":  # a CPU step's activations, freed and allocated again every step, stay mapped
+            keep_freed_memory()
         if t.autocast and not distributed.native_bf16(self.device) and self.rank == 0:
             print(f"warning: trainer.autocast on {self.device}, which has no native bf16 matmuls (no AVX512): they run "
                   "several times slower than fp32 here; trainer.autocast=false trains faster", file=sys.stderr)
