@@ -75,22 +75,23 @@ class SpecStats:
     verify_steps: int = 0  # target forwards that verified drafts
     plain_decodes: int = 0  # decode steps that did not speculate (no room, or the drafter lagging)
     emitted: int = 0  # tokens those forwards produced (accepted drafts + one from the target each)
-    accepted_per_position: list[int] = field(default_factory=list)  # drafts accepted at position j
     accepted_length_histogram: list[int] = field(default_factory=list)  # steps that accepted exactly n drafts
     draft_time_s: float = 0.0
     verify_time_s: float = 0.0
 
     def __post_init__(self) -> None:
-        k = self.num_draft_tokens
-        self.accepted_per_position = self.accepted_per_position or [0] * k
-        self.accepted_length_histogram = self.accepted_length_histogram or [0] * (k + 1)
+        self.accepted_length_histogram = self.accepted_length_histogram or [0] * (self.num_draft_tokens + 1)
 
     def record(self, num_accepted: int) -> None:
         self.verify_steps += 1
         self.emitted += num_accepted + 1
         self.accepted_length_histogram[num_accepted] += 1
-        for j in range(num_accepted):
-            self.accepted_per_position[j] += 1
+
+    @property
+    def accepted_per_position(self) -> list[int]:
+        """Per draft position j: the steps that accepted draft j (those that accepted more than j drafts)."""
+        counts = list(itertools.accumulate(reversed(self.accepted_length_histogram[1:])))  # more than K-1, K-2, ...
+        return counts[::-1]
 
     @property
     def tau(self) -> float:
