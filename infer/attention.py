@@ -360,10 +360,9 @@ class _Mirror:
         offsets = self._offsets.get((kv_heads, dim))
         device = positions.device
         if offsets is None:
-            if self.keys_transposed:  # key element d of head h: row (h * D + d) of positions; value: row h of (D)
-                heads = torch.arange(kv_heads * dim, device=device).view(kv_heads, dim)
-                offsets = torch.stack((heads * self.capacity,
-                                       values_at * dim + heads // dim * self.capacity * dim + heads % dim))
+            if self.keys_transposed:  # [2, Hkv, D]: key element d of head h starts row h * D + d of positions;
+                h, d = torch.arange(kv_heads, device=device)[:, None], torch.arange(dim, device=device)  # value: column d
+                offsets = torch.stack(((h * dim + d) * self.capacity, values_at * dim + h * self.capacity * dim + d))
             else:
                 heads = torch.arange(0, head_rows, self.capacity, device=device)  # [Hkv]
                 offsets = torch.stack((heads, heads + values_at))

@@ -297,18 +297,17 @@ class MTPDrafter(Drafter):
     def target_features(self, out: ModelOutput) -> Tensor:
         return self.runner.model.features(out.hidden_states)  # h_i, through the target's norm for post_norm heads
 
-    def catch_up_verified(self, seqs: list[Sequence], verify_ids: Tensor, emitted: Tensor, num_emitted: Tensor,
-                          target_hidden: Tensor, verify_meta: PageMetadata | None = None) -> None:
+    def catch_up_verified(self, seqs: list[Sequence], own_tokens: Tensor, num_emitted: Tensor, target_hidden: Tensor,
+                          verify_meta: PageMetadata | None = None) -> None:
         """The "verified" schedule: run over all K+1 verified positions before the host knows how many were
-        accepted. Position num_computed + i reads the target's own token there (emitted[:, i]: the accepted draft,
-        or the correction; past those, any token: redundant rows) and the target's hidden state; the head's output
-        is computed at the last emitted token's row alone (found on the device), the carry.
+        accepted. Position num_computed + i reads the target's own token there (own_tokens[:, i]: the accepted
+        draft, or the correction; past those, any token: redundant rows) and the target's hidden state; the head's
+        output is computed at the last emitted token's row alone (found on the device), the carry.
 
-        verify_ids, emitted [B, K+1]; num_emitted [B]; target_hidden [B, K+1, H]; verify_meta: the verify forward's
-        page metadata when it held these rows alone (the same positions: no second build), else None.
+        own_tokens [B, K+1] (`speculative_decode`'s); num_emitted [B]; target_hidden [B, K+1, H]; verify_meta: the
+        verify forward's page metadata when it held these rows alone (the same positions: no second build), else None.
         """
-        width = verify_ids.shape[1]  # K+1
-        own_tokens = torch.where(emitted >= 0, emitted, verify_ids)  # [B, K+1]: past the emitted ones, any token
+        width = own_tokens.shape[1]  # K+1
         last_rows = torch.arange(len(seqs), device=self.device) * width + num_emitted - 1  # [B] the carry's rows
         carry = self._run_verify_rows(seqs, own_tokens, last_rows, target_hidden, verify_meta)
         self._hold(seqs, carry, num_emitted.tolist())  # the step's host read, after the head's forward was launched
@@ -418,15 +417,18 @@ def speculative_decode(
         emitted, num_emitted = rejection_sample(draft_ids, draft_probs, p, generators)
     verify_time = time.perf_counter() - start
     start = time.perf_counter()
-    if verified:  # before the host reads the outcome
-        drafter.catch_up_verified(seqs, verify_ids, emitted, num_emitted, hidden, verify_meta)
+    # A head catches up here: before the host reads the outcome (verified), or on the verify forward's metadata once
+    # it has, when the verify rows had that forward to themselves (accepted); otherwise the engine runs the catch-up
+    # over the accepted spans once it has settled them.
+    on_verify_rows = not verified and verify_meta is not None and isinstance(drafter, MTPDrafter)
+    if verified or on_verify_rows:  # the target's own token at each verified position, what the head reads there:
+        # the accepted drafts and the correction first (greedy: the target's first argmaxes), past them any token
+        own_tokens = target_argmax if draft_probs is None else torch.where(emitted >= 0, emitted, verify_ids)
+    if verified:
+        drafter.catch_up_verified(seqs, own_tokens, num_emitted, hidden, verify_meta)
     if emitted is not None:
         rows = [row[:n] for row, n in zip(emitted.tolist(), num_emitted.tolist())]
-    # The accepted schedule catches a head up here, on the verify forward's metadata, when the verify rows had that
-    # forward to themselves; otherwise the engine runs the catch-up over the accepted spans once it has settled them.
-    on_verify_rows = not verified and verify_meta is not None and isinstance(drafter, MTPDrafter)
-    if on_verify_rows:  # greedy: a row's emitted tokens are its first argmaxes (the accepted drafts, the correction)
-        own_tokens = target_argmax if emitted is None else torch.where(emitted >= 0, emitted, verify_ids)
+    if on_verify_rows:
         drafter.catch_up_accepted(seqs, own_tokens, [len(row) for row in rows], hidden, verify_meta)
     return SpecOutput(rows, hidden, draft_time + time.perf_counter() - start, verify_time,
                       caught_up=verified or on_verify_rows)
