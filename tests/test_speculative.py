@@ -621,19 +621,32 @@ def test_decodes_speculate_in_the_same_forward_as_arriving_prefills(stories_mode
     assert sum(mixed_forwards) >= 5, "no forward packed verify rows beside a prefill chunk"
 
 
+@pytest.fixture(scope="module")
+def token_reading_head(untrained_head):
+    """The untrained head with its projection's token half nonzero: its drafts depend on the tokens its catch-up
+    reads (the untrained head's ignore them)."""
+    head = copy.deepcopy(untrained_head)
+    hidden = head.config.hidden_size
+    with torch.no_grad():
+        head.eh_proj.weight[:, :hidden] = torch.randn(hidden, hidden, generator=torch.Generator().manual_seed(3)) * 0.03
+    return head
+
+
+@pytest.mark.parametrize("temperature", [0.0, 1.0], ids=["greedy", "T=1"])
 @pytest.mark.parametrize("k", [1, 3])
 def test_verified_catch_up_schedule_gives_the_accepted_schedules_tokens_and_acceptance(
-        stories_model, stories_tokenizer, untrained_head, workloads, k):
+        stories_model, stories_tokenizer, token_reading_head, workloads, k, temperature):
     """The seed's schedule (the head over all K+1 verified positions before the accepted lengths are read) drafts
-    the same tokens as the default: seeded T=1 requests (where even this head's drafts are often accepted) give the
-    same outputs and the same accepted-length histogram, and pages stay in step with both caches."""
+    the same tokens as the default: seeded requests, greedy and at T=1, give the same outputs and the same
+    accepted-length histogram (the head reads its tokens, so a catch-up that read others would draft otherwise),
+    and pages stay in step with both caches."""
     prompts, greedy = workloads["mixed"]
-    params = [dataclasses.replace(p, temperature=1.0, seed=i) for i, p in enumerate(greedy)]
+    params = [dataclasses.replace(p, temperature=temperature, seed=i) for i, p in enumerate(greedy)]
     runs = {}
     for schedule in ("accepted", "verified"):
         engine = Engine(stories_model, stories_tokenizer, [2], EngineConfig(
             num_draft_tokens=k, backend="torch", page_size=8, num_pages=128, draft_catch_up=schedule))
-        engine.attach_drafter("mtp", untrained_head)
+        engine.attach_drafter("mtp", token_reading_head)
         runs[schedule] = drive(engine, prompts, params)
     accepted, verified = runs["accepted"], runs["verified"]
     assert verified.outputs == accepted.outputs and not verified.violations and not accepted.violations
