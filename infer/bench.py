@@ -43,7 +43,7 @@ from pathlib import Path
 
 import torch
 
-from infer.cli import CliError, add_catch_up_arg, add_engine_args, engine_kwargs, run_cli
+from infer.cli import CliError, add_catch_up_arg, add_engine_args, engine_kwargs, parse_floats, parse_ints, run_cli
 from infer.engine import Engine, ForwardCosts
 from infer.loader import DTYPES
 from infer.parallel import attach_where_it_lives, current, init_tp, on_rank0, serve_forever, tp_main
@@ -52,23 +52,6 @@ from infer.sampling_params import SamplingParams
 from infer.speedup import (SPEC_MIN_NEW_TOKENS, IdealShare, StepOverhead, compare, cost_context,
                            ideal_speedup_with_tail, interleaved_stream, live_per_verify_step, recommend_k, timed_costs,
                            timed_generate)
-
-
-def parse_ints(text: str, flag: str) -> list[int]:
-    try:
-        values = [int(v) for v in text.split(",") if v.strip()]
-    except ValueError as err:
-        raise CliError(f"{flag} takes comma-separated integers, got {text!r}") from err
-    if not values or min(values) < 1:
-        raise CliError(f"{flag} values must be >= 1, got {text!r}")
-    return values
-
-
-def parse_floats(text: str, flag: str) -> list[float]:
-    try:
-        return [float(v) for v in text.split(",") if v.strip()]
-    except ValueError as err:
-        raise CliError(f"{flag} takes comma-separated numbers, got {text!r}") from err
 
 
 def best_of(repeats: int, run) -> tuple[float, int]:

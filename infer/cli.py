@@ -21,6 +21,25 @@ class CliError(ValueError):
     """A mistake in the command line or its input files."""
 
 
+def parse_ints(text: str, flag: str) -> list[int]:
+    """A flag's comma-separated integers, each at least 1 (batch sizes, draft counts)."""
+    try:
+        values = [int(v) for v in text.split(",") if v.strip()]
+    except ValueError as err:
+        raise CliError(f"{flag} takes comma-separated integers, got {text!r}") from err
+    if not values or min(values) < 1:
+        raise CliError(f"{flag} values must be >= 1, got {text!r}")
+    return values
+
+
+def parse_floats(text: str, flag: str) -> list[float]:
+    """A flag's comma-separated numbers (temperatures)."""
+    try:
+        return [float(v) for v in text.split(",") if v.strip()]
+    except ValueError as err:
+        raise CliError(f"{flag} takes comma-separated numbers, got {text!r}") from err
+
+
 def add_engine_args(parser: argparse.ArgumentParser) -> None:
     group = parser.add_argument_group("engine")
     group.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu", help="cpu or cuda")

@@ -191,13 +191,18 @@ class IdealShare:
     may come from different spells (this machine drifts by a third over minutes)."""
 
     speedup: float  # speculative over plain tokens/s
-    ideal: float  # ideal_speedup at the repeat's forward costs
-    achieved_over_ideal: float
+    ideal: float | None  # ideal_speedup at the repeat's forward costs; None: no costs were timed
+    achieved_over_ideal: float | None
 
     @classmethod
     def of(cls, result: Comparison, costs: Sequence[ForwardCosts], k: int) -> "IdealShare":
         """costs[i]: timed after result.pairs[i] (`timed_costs`)."""
         return cls.of_ideals(result, [ideal_speedup(result.stats["tau"], c, k) for c in costs])
+
+    @classmethod
+    def speedup_only(cls, result: Comparison) -> "IdealShare":
+        """The median speedup over the repeats, without an ideal (no forward costs timed)."""
+        return cls(statistics.median(spec.tok_s / plain.tok_s for plain, spec in result.pairs), None, None)
 
     @classmethod
     def of_ideals(cls, result: Comparison, ideals: Sequence[float]) -> "IdealShare":

@@ -201,6 +201,7 @@ class Trainer:
                     self.served, self.head, self.prompts, k=v.num_draft_tokens, temperatures=tuple(v.temperatures),
                     max_new_tokens=v.max_new_tokens, batch_size=v.batch_size, repeats=v.repeats,
                     recommend_for=(),  # the K recommendation is the final, standalone validation's
+                    ideal=False,  # the record logs no ideal speedup: its forward-cost timing would be most forwards
                 )
         if report is None:  # a serving rank > 0: it ran rank 0's steps on its shards
             return {}

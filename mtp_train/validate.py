@@ -33,7 +33,7 @@ from torch import nn
 
 from data_tools.config import ConfigError
 from infer.attention import PackedCausalAttention
-from infer.cli import CliError, run_cli
+from infer.cli import CliError, parse_floats, parse_ints, run_cli
 from infer.engine import Engine, ForwardCosts
 from infer.kv_cache import pages_needed
 from infer.loader import DTYPES
@@ -162,27 +162,30 @@ class Measured(NamedTuple):
     runs: list[dict]  # one run_record per temperature, with its ideal speedup
     greedy_sequences: list[list[int]] | None  # the plain engine's greedy outputs (the trainer's replay reads them)
     recommended: dict  # recommend_k_by_batch's, {} when not asked for
-    costs: ForwardCosts
+    costs: ForwardCosts | None  # None: the ideal was not asked for
     cost_context: int  # cached tokens behind the timed forwards
 
 
 def measure(engines: ValidationEngines, prompt_ids: list[list[int]], k: int, temperatures: tuple[float, ...],
-            max_new_tokens: int, seed: int, repeats: int, recommend_for: tuple[int, ...]) -> Measured:
-    """The timed runs (rank 0 alone under tensor parallelism: the other ranks serve its steps)."""
+            max_new_tokens: int, seed: int, repeats: int, recommend_for: tuple[int, ...], ideal: bool) -> Measured:
+    """The timed runs (rank 0 alone under tensor parallelism: the other ranks serve its steps); ideal: the forward
+    costs timed after each pair of runs, pricing the ideal speedup."""
     plain, spec = engines.plain, engines.spec
     warm_up = [SamplingParams(max_new_tokens=min(max_new_tokens, k + 4), ignore_eos=True)] * len(prompt_ids)
     timed_generate(plain, prompt_ids, warm_up)  # the batch's prefill shapes, and a few speculative steps
     timed_generate(spec, prompt_ids, warm_up)
     comparisons, runs, all_costs = {}, [], []
     for t in temperatures:
-        measured, between = timed_costs(spec, min(plain.config.max_num_seqs, len(prompt_ids)), max_new_tokens)
+        measured, between = (timed_costs(spec, min(plain.config.max_num_seqs, len(prompt_ids)), max_new_tokens)
+                             if ideal else ([], None))
         result = comparisons[float(t)] = compare(plain, spec, prompt_ids,
                                                  sampling_params(t, max_new_tokens, seed, len(prompt_ids)), repeats,
                                                  between)
-        runs.append(run_record(t, max_new_tokens, result, IdealShare.of(result, measured, k)))
+        share = IdealShare.of(result, measured, k) if ideal else IdealShare.speedup_only(result)
+        runs.append(run_record(t, max_new_tokens, result, share))
         all_costs += measured
     context = cost_context(map(len, prompt_ids), max_new_tokens)
-    costs = ForwardCosts.fastest(all_costs)
+    costs = ForwardCosts.fastest(all_costs) if all_costs else None
     basis = greedy_run(runs) or runs[0] if runs else None
     recommended = {}
     if engines.timing is not None and basis:
@@ -206,6 +209,7 @@ def validate_head(
     dtype: torch.dtype = torch.float32,
     device: str | torch.device = "cpu",
     recommend_for: tuple[int, ...] = (1, 8, 32),
+    ideal: bool = True,
 ) -> dict | None:
     """Speculative decoding with `head` on `prompts` through infer's Engine, and the trainer's figures on the text
     it produced (module doc).
@@ -217,6 +221,9 @@ def validate_head(
     prompts: text (the target needs a tokenizer) or token ids; None: infer.prompts.VALIDATION_PROMPTS.
     recommend_for: batch sizes to recommend a K for (infer.speedup), from the greedy run's conditional acceptance
     (or the first run's); () skips it.
+    ideal: price each run's ideal speedup by forward costs timed beside it (most of a short validation's forwards);
+    False leaves ideal_speedup, achieved_over_ideal and forward_ms out (None, {}): the trainer's validations log
+    acceptance, tau and the speedup alone.
     """
     start = time.perf_counter()
     check_arguments(k, max_new_tokens, batch_size, repeats, temperatures)
@@ -227,7 +234,7 @@ def validate_head(
     engines = validation_engines(served, drafter, prompt_ids, k, max_new_tokens, batch_size, recommend_for)
     tp = group_of(model)
     measured = on_rank0(lambda: measure(engines, prompt_ids, k, temperatures, max_new_tokens, seed, repeats,
-                                        recommend_for), tp)
+                                        recommend_for, ideal), tp)
     # The trainer's replay runs the target and the head directly: under tensor parallelism every rank runs it on
     # rank 0's greedy sequences.
     greedy_sequences = tp.broadcast_object(measured.greedy_sequences if measured else None)
@@ -255,8 +262,8 @@ def validate_head(
         "threads": torch.get_num_threads(), "tp": tp.size,
         "runs": runs,
         "trainer_replay": replay, "replay_gap": gaps, "gap_flag": flag,
-        "forward_ms": {name: ms for name, ms in costs.milliseconds().items() if ms is not None},
-        "forward_context_tokens": measured.cost_context,  # cached behind those forwards
+        "forward_ms": {name: ms for name, ms in costs.milliseconds().items() if ms is not None} if costs else {},
+        "forward_context_tokens": measured.cost_context if costs else None,  # cached behind those forwards
         "recommended_k": {"by_batch_size": recommended,
                           "from": (f"T={basis['temperature']:g} conditional acceptance; forward costs and step "
                                    f"overhead measured at each batch size ({TIMING_TOKENS}-token runs at K and 1)")
@@ -286,9 +293,10 @@ def sampling_params(temperature: float, max_new_tokens: int, seed: int, count: i
 
 def run_record(temperature: float, max_new_tokens: int, result: Comparison, share: IdealShare) -> dict:
     """One temperature's line of the report: conditional acceptance (and the unconditional share, labelled so),
-    tau, the timed speedup and its ideal (medians over the repeats, `IdealShare`), the fastest runs' steps split
-    into forwards and host work (`Comparison.step_split`)."""
+    tau, the timed speedup and its ideal (medians over the repeats, `IdealShare`; None where none was priced), the
+    fastest runs' steps split into forwards and host work (`Comparison.step_split`)."""
     stats = result.stats
+    rounded = lambda x: None if x is None else round(x, 3)  # noqa: E731
     return {
         "temperature": float(temperature), "max_new_tokens": max_new_tokens, "tau": stats["tau"],
         "conditional_acceptance": stats["conditional_acceptance"],
@@ -296,8 +304,8 @@ def run_record(temperature: float, max_new_tokens: int, result: Comparison, shar
         "unconditional_acceptance": stats["acceptance_per_position"],
         "accepted_length_histogram": stats["accepted_length_histogram"], "verify_steps": stats["verify_steps"],
         "plain_tok_s": round(result.plain.tok_s, 1), "spec_tok_s": round(result.spec.tok_s, 1),
-        "speedup": round(share.speedup, 3), "ideal_speedup": round(share.ideal, 3),
-        "achieved_over_ideal": round(share.achieved_over_ideal, 3),
+        "speedup": round(share.speedup, 3), "ideal_speedup": rounded(share.ideal),
+        "achieved_over_ideal": rounded(share.achieved_over_ideal),
         "draft_time_s": stats["draft_time_s"], "verify_time_s": stats["verify_time_s"],
         **result.step_split(),
     }
@@ -338,6 +346,9 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--batch-size", type=int, default=16, help="requests decoded together (default 16)")
     parser.add_argument("--repeats", type=int, default=2,
                         help="timed runs per measurement, the fastest counts (default 2)")
+    parser.add_argument("--recommend-for", default="1,8,32", metavar="BATCH_SIZES",
+                        help="comma-separated batch sizes to recommend a K for, from forward costs and step overhead "
+                             "timed at each (the exported head's recommended_k); 'none' skips it (default 1,8,32)")
     parser.add_argument("--seed", type=int, default=0, help="prompt i samples with seed SEED + i (default 0)")
     parser.add_argument("--out", type=Path, help="folder for report.json and the plots (default ./validation)")
     parser.add_argument("--run-dir", type=Path, help="training run folder: plots RUN_DIR/metrics.jsonl")
@@ -381,10 +392,9 @@ def main(argv: list[str] | None = None) -> int:
     target, head = args.target or from_config.get("target"), args.head or from_config.get("head")
     prompts_file = args.prompts or from_config.get("prompts")
     run_dir = args.run_dir or from_config.get("run_dir")
-    try:
-        temperatures = tuple(float(t) for t in args.temperatures.split(",") if t.strip())
-    except ValueError as err:
-        raise CliError(f"--temperatures takes comma-separated numbers, got {args.temperatures!r}") from err
+    temperatures = tuple(parse_floats(args.temperatures, "--temperatures"))
+    recommend_for = () if args.recommend_for.strip().lower() == "none" else tuple(
+        parse_ints(args.recommend_for, "--recommend-for"))
     if not target.is_dir():
         raise CliError(f"target folder {target} does not exist")
     if not head.is_dir():
@@ -401,7 +411,8 @@ def main(argv: list[str] | None = None) -> int:
     init_tp(args.tp, args.device)  # each rank loads its shard of the target and of the head
     report = validate_head(target, head, prompts, k=args.num_draft_tokens, temperatures=temperatures,
                            max_new_tokens=args.max_new_tokens, batch_size=args.batch_size, seed=args.seed,
-                           repeats=args.repeats, dtype=DTYPES[args.dtype], device=args.device)
+                           repeats=args.repeats, dtype=DTYPES[args.dtype], device=args.device,
+                           recommend_for=recommend_for)
     if report is None:  # a rank > 0 (it ran rank 0's steps on its shards): wait until rank 0 has reported
         serve_forever()
         return 0

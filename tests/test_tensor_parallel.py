@@ -37,6 +37,7 @@ from infer.models.mtp_head import init_head_from_target, load_head, save_head
 from infer.parallel import (
     RemoteRankError, ShardingError, TPGroup, fail, init_tp, parameter_bytes, serve_forever, spawn, stop_workers,
 )
+from infer.prompts import VALIDATION_PROMPTS
 from infer.sampling_params import SamplingParams
 from mtp_train.validate import main as validate_main
 from tests.test_deepseek_v2 import CONFIGS as DEEPSEEK_CONFIGS
@@ -62,9 +63,11 @@ def bench_args(stories: str, head_dir: str) -> list[str]:
             "--max-new-tokens", "12", "--repeats", "1", "--arrivals", "2", "--json", "--device", "cpu"]
 
 
-def validate_args(stories: str, head_dir: str, out: str) -> list[str]:
-    return ["--target", stories, "--head", head_dir, "--num-draft-tokens", "1", "--max-new-tokens", "12",
-            "--batch-size", "3", "--repeats", "1", "--temperatures", "0,1", "--out", out, "--device", "cpu"]
+def validate_args(stories: str, head_dir: str, out: str, prompts: str) -> list[str]:
+    return ["--target", stories, "--head", head_dir, "--prompts", prompts, "--num-draft-tokens", "1",
+            "--max-new-tokens", "12",
+            "--batch-size", "3", "--repeats", "1", "--temperatures", "0,1", "--recommend-for", "1,3", "--out", out,
+            "--device", "cpu"]
 
 
 def paged_logits(runner: ModelRunner, vocab: int, seed: int = 0) -> torch.Tensor:
@@ -102,7 +105,8 @@ def generate(engine: Engine, kind: str, record: dict) -> None:
         record[f"{kind}/tau"] = engine.spec_stats.tau
 
 
-def rank_session(folders: dict[str, str], stories: str, head_dir: str, eagle3_dir: str, out: str) -> None:
+def rank_session(folders: dict[str, str], stories: str, head_dir: str, eagle3_dir: str, out: str,
+                 prompts: str) -> None:
     """One rank of the two-rank session: every rank builds the same models and runners in the same order;
     rank 0 runs the steps (and records them), rank 1 serves them."""
     torch.set_num_threads(1)
@@ -117,6 +121,11 @@ def rank_session(folders: dict[str, str], stories: str, head_dir: str, eagle3_di
         return tensor
 
     CheckpointTensor.read = counting_read
+    base = torch.arange(24.0).view(2, 3, 4)
+    view = (base * (tp.rank + 1)).transpose(0, 2)  # a non-contiguous view, summed in place
+    tp.all_reduce(view)
+    record["collectives"] = {"sum_by_gather": tp.sum_by_gather, "all_reduce": view.transpose(0, 2).clone(),
+                             **{f"all_gather_{d}": tp.all_gather(base * (tp.rank + 1), d) for d in (0, 1, -1)}}
     models = {}
     for name, folder in {"stories": stories, **folders}.items():
         read_bytes[0] = 0
@@ -156,7 +165,7 @@ def rank_session(folders: dict[str, str], stories: str, head_dir: str, eagle3_di
             serve_forever()
 
     clis = {"bench": (bench_main, bench_args(stories, head_dir)),
-            "validate": (validate_main, validate_args(stories, head_dir, str(Path(out) / "validate")))}
+            "validate": (validate_main, validate_args(stories, head_dir, str(Path(out) / "validate"), prompts))}
     for name, (cli, argv) in clis.items():  # rank 0 measures and reports; rank 1 serves until rank 0 returns
         stdout = io.StringIO()
         with contextlib.redirect_stdout(stdout):
@@ -223,12 +232,33 @@ def session_dir(tmp_path_factory) -> Path:
 
 
 @pytest.fixture(scope="module")
-def session(folders, stories_hf_dir, head_dir, eagle3_dir, session_dir) -> tuple[dict, dict]:
+def validate_prompts(tmp_path_factory) -> Path:
+    """Six held-out openings (two batches of the validation's 3): every rank path of a validation, a tenth of its
+    collective forwards."""
+    path = tmp_path_factory.mktemp("prompts") / "prompts.jsonl"
+    path.write_text("".join(json.dumps({"prompt": p}) + "\n" for p in VALIDATION_PROMPTS[:6]))
+    return path
+
+
+@pytest.fixture(scope="module")
+def session(folders, stories_hf_dir, head_dir, eagle3_dir, session_dir, validate_prompts) -> tuple[dict, dict]:
     """(rank 0's record, rank 1's record) of the two-rank session."""
     out = session_dir
     spawn(rank_session, 2, {k: str(v) for k, v in folders.items()}, str(stories_hf_dir), str(head_dir),
-          str(eagle3_dir), str(out), timeout_s=240)
+          str(eagle3_dir), str(out), str(validate_prompts), timeout_s=240)
     return torch.load(out / "rank0.pt"), torch.load(out / "rank1.pt")
+
+
+def test_gloo_collectives_sum_and_gather_in_rank_order(session):
+    """On gloo an all-reduce is an all-gather and a local sum (TPGroup.sum_by_gather), written into the tensor it
+    was given, a view included; all_gather concatenates the ranks' tensors in rank order along any dim."""
+    base = torch.arange(24.0).view(2, 3, 4)
+    for record in session:
+        collectives = record["collectives"]
+        assert collectives["sum_by_gather"] is True
+        assert torch.equal(collectives["all_reduce"], base * 3)
+        for dim in (0, 1, -1):
+            assert torch.equal(collectives[f"all_gather_{dim}"], torch.cat((base, base * 2), dim=dim))
 
 
 @pytest.mark.parametrize("name", ["stories", "llama3_gqa", "llama3_one_kv_head", "deepseek_lite", "deepseek_v2"])
@@ -319,13 +349,14 @@ def test_bench_cli_with_tp_matches_one_process(session, stories_hf_dir, head_dir
         assert all(r[name] > 0 for r in result["rows"] for name in ("plain_host_ms", "spec_forward_ms", "spec_host_ms"))
 
 
-def test_validate_cli_with_tp_matches_one_process(session, session_dir, stories_hf_dir, head_dir, tmp_path, capsys):
+def test_validate_cli_with_tp_matches_one_process(session, session_dir, stories_hf_dir, head_dir, validate_prompts,
+                                                  tmp_path, capsys):
     """`mtp_train.validate --tp 2`: the report of one process (acceptance, tau, the trainer's replay recomputed by
     collective forwards on rank 0's sequences, a K recommended per batch size); only rank 0 writes it."""
     rank0, rank1 = session
     assert rank0["validate/exit"] == rank1["validate/exit"] == 0 and rank1["validate/stdout"] == ""
     two = json.loads((session_dir / "validate" / "report.json").read_text())
-    assert validate_main(validate_args(str(stories_hf_dir), str(head_dir), str(tmp_path))) == 0
+    assert validate_main(validate_args(str(stories_hf_dir), str(head_dir), str(tmp_path), str(validate_prompts))) == 0
     one = json.loads((tmp_path / "report.json").read_text())
     assert (two["tp"], one["tp"]) == (2, 1)
     measured = lambda report: [(r["temperature"], r["tau"], r["conditional_acceptance"],  # noqa: E731
@@ -334,7 +365,7 @@ def test_validate_cli_with_tp_matches_one_process(session, session_dir, stories_
     assert two["trainer_replay"]["positions"] == one["trainer_replay"]["positions"] > 0
     assert two["trainer_replay"]["kl"] == pytest.approx(one["trainer_replay"]["kl"], rel=1e-4, abs=1e-4)
     assert two["trainer_replay"]["top1"] == one["trainer_replay"]["top1"]
-    assert sorted(two["recommended_k"]["by_batch_size"]) == sorted(one["recommended_k"]["by_batch_size"]) == ["1", "32", "8"]
+    assert sorted(two["recommended_k"]["by_batch_size"]) == sorted(one["recommended_k"]["by_batch_size"]) == ["1", "3"]
 
 
 def test_generate_cli_under_torchrun_matches_one_process(stories_hf_dir, capfd):
@@ -375,7 +406,7 @@ def test_shapes_that_do_not_split_name_the_field_and_the_choices():
     assert model.attention_dims() == dict(num_heads=2, num_kv_heads=1, head_dim=16, mla_dims=None)  # KV replicated
 
 
-def test_tp_needs_as_many_processes(monkeypatch, stories_hf_dir, head_dir, tmp_path, capsys):
+def test_tp_needs_as_many_processes(monkeypatch, stories_hf_dir, head_dir, validate_prompts, tmp_path, capsys):
     monkeypatch.delenv("WORLD_SIZE", raising=False)
     with pytest.raises(ShardingError, match=r"--tp 2 needs 2 processes: .*torchrun --nproc_per_node 2"):
         init_tp(2)
@@ -383,7 +414,8 @@ def test_tp_needs_as_many_processes(monkeypatch, stories_hf_dir, head_dir, tmp_p
         init_tp(2, replicas=True, option="precompute.tp=2")
     monkeypatch.setenv("WORLD_SIZE", "3")
     for cli, argv in ((bench_main, bench_args(str(stories_hf_dir), str(head_dir))),
-                      (validate_main, validate_args(str(stories_hf_dir), str(head_dir), str(tmp_path)))):
+                      (validate_main, validate_args(str(stories_hf_dir), str(head_dir), str(tmp_path),
+                                                    str(validate_prompts)))):
         assert run_cli(lambda: cli(["--tp", "2", *argv])) == 2
         assert capsys.readouterr().err.strip().splitlines() == [
             "error: --tp 2 needs 2 processes: run it as `torchrun --nproc_per_node 2 ...` (WORLD_SIZE is 3)"]

@@ -33,7 +33,8 @@ from mtp_train.validate import main, replay_gap, serving_head, validate_head
 pytestmark = pytest.mark.usefixtures("one_torch_thread")
 
 PNG_MAGIC = b"\x89PNG\r\n\x1a\n"
-FAST = ["--num-draft-tokens", "2", "--max-new-tokens", "12", "--batch-size", "4", "--repeats", "1"]
+FAST = ["--num-draft-tokens", "2", "--max-new-tokens", "12", "--batch-size", "4", "--repeats", "1",
+        "--recommend-for", "2"]
 
 
 @pytest.fixture(scope="module")
@@ -109,11 +110,17 @@ def test_conditional_acceptance_and_gap_flag():
     assert replay_gap({"at_verify_steps": [0.5]}, None) == ([], False)
 
 
-def test_engine_target_and_head_folder(stories_hf_dir, head_dir):
+def test_engine_target_and_head_folder_without_ideal_or_recommendation(stories_hf_dir, head_dir):
+    """The trainer's validations: an Engine as the target, no forward costs timed (no ideal) and no K recommended;
+    the runs are measured and timed all the same."""
     engine = Engine.from_pretrained(stories_hf_dir, num_pages=8)
     report = validate_head(engine, head_dir, VALIDATION_PROMPTS[:2], k=2, temperatures=(0.0,), max_new_tokens=8,
-                           batch_size=2, repeats=1)
-    assert report["head"] == str(head_dir) and report["runs"][0]["verify_steps"] > 0
+                           batch_size=2, repeats=1, recommend_for=(), ideal=False)
+    assert report["head"] == str(head_dir)
+    (run,) = report["runs"]
+    assert run["verify_steps"] > 0 and run["speedup"] > 0
+    assert run["ideal_speedup"] is None and run["achieved_over_ideal"] is None
+    assert report["forward_ms"] == {} and report["recommended_k"] == {"by_batch_size": {}, "from": None}
 
 
 def test_a_head_for_another_target_is_refused(stories_model, stories_hf_dir, tmp_path):
@@ -141,6 +148,8 @@ def test_cli_writes_report_and_plots(stories_hf_dir, head_dir, tmp_path, capsys)
     assert "acc@1" in printed and "speedup" in printed
     report = json.loads((out / "report.json").read_text())
     assert report["num_prompts"] == 2 and report["trainer_replay"]["positions"] > 0
+    assert list(report["recommended_k"]["by_batch_size"]) == ["2"]  # --recommend-for
+    assert f"recommended K at batch 2: {report['recommended_k']['by_batch_size']['2']['k']}" in printed
     assert report["metrics"] == {"file": str(run_dir / "metrics.jsonl"), "records": 5, "skipped_lines": 1}
     assert sorted(report["plots"]) == ["acceptance_per_position.png", "accepted_length_histogram.png",
                                        "training_curves.png"]
@@ -151,9 +160,10 @@ def test_cli_writes_report_and_plots(stories_hf_dir, head_dir, tmp_path, capsys)
 def test_cli_hydra_overrides_name_target_and_head(stories_hf_dir, head_dir, tmp_path):
     out = tmp_path / "out"
     assert main([f"model.path={stories_hf_dir}", f"head_dir={head_dir}", f"output_dir={tmp_path / 'run'}",
-                 "--out", str(out), "--temperatures", "0", *FAST]) == 0
+                 "--out", str(out), "--temperatures", "0", *FAST, "--recommend-for", "none"]) == 0
     report = json.loads((out / "report.json").read_text())
     assert report["target"] == str(stories_hf_dir) and report["head"] == str(head_dir)
+    assert report["recommended_k"]["by_batch_size"] == {}
 
 
 @pytest.mark.parametrize("case,message", [
@@ -161,6 +171,7 @@ def test_cli_hydra_overrides_name_target_and_head(stories_hf_dir, head_dir, tmp_
     ("other_target", "trained against 'other'"),
     ("bad_override", "overrides"),
     ("one_token", "max_new_tokens must be >= 2 .*speculation starts at the second"),
+    ("bad_batch_sizes", "--recommend-for takes comma-separated integers, got '1,eight'"),
 ])
 def test_cli_user_mistakes_are_one_line_errors(stories_model, stories_hf_dir, tmp_path, capsys, case, message):
     other = copy.deepcopy(stories_model)
@@ -172,6 +183,7 @@ def test_cli_user_mistakes_are_one_line_errors(stories_model, stories_hf_dir, tm
         "other_target": ["--target", str(stories_hf_dir), "--head", str(foreign)],
         "bad_override": ["--target", str(stories_hf_dir), "--head", str(foreign), "no_such_group=x"],
         "one_token": ["--target", str(stories_hf_dir), "--head", str(foreign), "--max-new-tokens", "1"],
+        "bad_batch_sizes": ["--target", str(stories_hf_dir), "--head", str(foreign), "--recommend-for", "1,eight"],
     }[case]
     assert run_cli(lambda: main(["--out", str(tmp_path / "out"), *FAST, *argv])) == 2  # argv's flags win
     err = capsys.readouterr().err
