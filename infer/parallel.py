@@ -121,7 +121,7 @@ class TPGroup:
             shape = list(x.shape)
             shape[dim] *= self.size
             return x.new_empty(shape)
-        parts = x.new_empty(self.size * x.numel())  # one flat buffer, rank by rank: one collective (all_reduce)
+        parts = x.new_empty(self.size * x.numel())  # one flat buffer, rank by rank: one collective (see all_reduce)
         self._collective(_ALL_GATHER_FLAT, parts, x.contiguous().view(-1), group=self.group)
         dim %= x.dim()
         return parts.view(self.size, *x.shape).movedim(0, dim).flatten(dim, dim + 1)
