@@ -1,7 +1,7 @@
 """Validate a draft head where it will serve: infer's Engine with the head attached as its MTP drafter.
 
     python -m mtp_train.validate --target DIR --head DIR [--prompts FILE.jsonl] [--num-draft-tokens K]
-        [--max-new-tokens N] [--temperatures 0,1] [--out DIR] [--run-dir RUN_DIR]
+        [--max-new-tokens N] [--temperatures 0,1] [--recommend-for 1,8,32] [--out DIR] [--run-dir RUN_DIR]
     python -m mtp_train.validate model=stories260k output_dir=outputs/stories260k-mtp   # the trainer's config
     python -m mtp_train.validate model.path=DIR head_dir=DIR prompts=FILE.jsonl          # the same, as overrides
 
