@@ -82,9 +82,23 @@ if [ ! -f "$DATA_T07" ]; then
 fi
 for pid in "${half_pids[@]}"; do wait "$pid"; done
 
-stamp "precompute features"
-python -m data_tools.precompute output_dir="$OUT/features" model.path="$MODEL" data=stories260k \
-  "data.paths=[$DATA_T1,$DATA_T07]" precompute.dtype=float32 head=eagle3 precompute.overwrite=true
+# The precompute on every core of a CPU (every GPU of a node): data-parallel ranks, each its share of the shards,
+# writing the same bytes as one process would (tests/test_data_precompute.py); two shards a rank, so the ranks
+# finish together (the trainer's record order does not depend on the shards).
+if command -v nvidia-smi >/dev/null 2>&1; then
+  workers=$( (nvidia-smi -L 2>/dev/null || true) | grep -c '^GPU' || true)
+else
+  workers=$(env -u OMP_NUM_THREADS -u OMP_THREAD_LIMIT nproc)  # nproc obeys OMP_NUM_THREADS, set above
+fi
+if [ "${workers:-0}" -lt 1 ]; then workers=1; fi
+precompute=(python -m data_tools.precompute)
+if [ "$workers" -gt 1 ]; then
+  precompute=(python -m torch.distributed.run --standalone --nproc_per_node "$workers" -m data_tools.precompute)
+fi
+stamp "precompute features ($workers process(es))"
+"${precompute[@]}" output_dir="$OUT/features" model.path="$MODEL" data=stories260k \
+  "data.paths=[$DATA_T1,$DATA_T07]" precompute.dtype=float32 head=eagle3 precompute.overwrite=true \
+  precompute.records_per_shard=$(( (STORIES + 2 * workers - 1) / (2 * workers) ))
 
 # Each head: trained, validated in infer/ (speculative decoding on 64 held-out story openings x 128 tokens), exported
 # in the runtime's format with its recommended K per batch size. The default MTP / EAGLE-1 heads read the target's
