@@ -109,9 +109,7 @@ class TPGroup:
         if not self.sum_by_gather:
             self._collective(dist.all_reduce, x, group=self.group)
             return x
-        parts = x.new_empty(self.size * x.numel())
-        self._collective(_ALL_GATHER_FLAT, parts, x.contiguous().view(-1), group=self.group)
-        return torch.sum(parts.view(self.size, *x.shape), dim=0, out=x)
+        return torch.sum(self._stacked(x), dim=0, out=x)
 
     def all_gather(self, x: torch.Tensor, dim: int) -> torch.Tensor:
         """Every rank's x, concatenated along dim in rank order."""
@@ -121,10 +119,15 @@ class TPGroup:
             shape = list(x.shape)
             shape[dim] *= self.size
             return x.new_empty(shape)
-        parts = x.new_empty(self.size * x.numel())  # one flat buffer, rank by rank: one collective (see all_reduce)
-        self._collective(_ALL_GATHER_FLAT, parts, x.contiguous().view(-1), group=self.group)
         dim %= x.dim()
-        return parts.view(self.size, *x.shape).movedim(0, dim).flatten(dim, dim + 1)
+        return self._stacked(x).movedim(0, dim).flatten(dim, dim + 1)
+
+    def _stacked(self, x: torch.Tensor) -> torch.Tensor:
+        """[size, *x.shape]: every rank's x in rank order, gathered into one flat buffer by one collective (see
+        all_reduce)."""
+        parts = x.new_empty(self.size * x.numel())
+        self._collective(_ALL_GATHER_FLAT, parts, x.contiguous().view(-1), group=self.group)
+        return parts.view(self.size, *x.shape)
 
     def broadcast(self, x: torch.Tensor) -> torch.Tensor:
         """Rank 0's x, into x on every rank."""

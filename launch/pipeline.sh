@@ -82,15 +82,20 @@ if [ ! -f "$DATA_T07" ]; then
 fi
 for pid in "${half_pids[@]}"; do wait "$pid"; done
 
-# The precompute on every core of a CPU (every GPU of a node): data-parallel ranks, each its share of the shards,
-# writing the same bytes as one process would (tests/test_data_precompute.py); two shards a rank, so the ranks
-# finish together (the trainer's record order does not depend on the shards).
+# What the stages below spread over: a node's GPUs, or a CPU's cores.
 if command -v nvidia-smi >/dev/null 2>&1; then
-  workers=$( (nvidia-smi -L 2>/dev/null || true) | grep -c '^GPU' || true)
+  on_gpus=true
+  gpus=$( (nvidia-smi -L 2>/dev/null || true) | grep -c '^GPU' || true)
+  workers=$(( gpus > 0 ? gpus : 1 ))
 else
-  workers=$(env -u OMP_NUM_THREADS -u OMP_THREAD_LIMIT nproc)  # nproc obeys OMP_NUM_THREADS, set above
+  on_gpus=false
+  cores=$(env -u OMP_NUM_THREADS -u OMP_THREAD_LIMIT nproc)  # nproc obeys OMP_NUM_THREADS, set above
+  workers=$cores
 fi
-if [ "${workers:-0}" -lt 1 ]; then workers=1; fi
+
+# The precompute on every worker: data-parallel ranks, each its share of the shards, writing the same bytes as one
+# process would (tests/test_data_precompute.py); two shards a rank, so the ranks finish together (the trainer's
+# record order does not depend on the shards).
 precompute=(python -m data_tools.precompute)
 if [ "$workers" -gt 1 ]; then
   precompute=(python -m torch.distributed.run --standalone --nproc_per_node "$workers" -m data_tools.precompute)
@@ -133,14 +138,13 @@ build_head() {
 # records a step moved 5.3k + 5.8k tokens/s side by side, one two-process mtp training of 8 + 8 records 7.7k (the
 # same global batch of BATCH records, the same recipe). On GPUs, one head at a time on all of them.
 heads=($HEADS)
-if command -v nvidia-smi >/dev/null 2>&1; then
+if $on_gpus; then
   JOBS=${JOBS:-1}
+  NPROC=${NPROC:-$gpus}
 else
-  cores=$(env -u OMP_NUM_THREADS -u OMP_THREAD_LIMIT nproc)  # nproc obeys OMP_NUM_THREADS, set above
   JOBS=${JOBS:-$(( ${#heads[@]} < cores ? ${#heads[@]} : cores ))}
   NPROC=${NPROC:-$(( cores / JOBS > 0 ? cores / JOBS : 1 ))}
 fi
-NPROC=${NPROC:-$( (nvidia-smi -L 2>/dev/null || true) | grep -c '^GPU' || true)}
 if [ "$NPROC" -lt 1 ] || [ $(( BATCH % NPROC )) -ne 0 ]; then
   echo "pipeline: BATCH=$BATCH records a step must split evenly over NPROC=$NPROC processes per head" >&2
   exit 2

@@ -38,8 +38,7 @@ def format_report(report: dict) -> str:
     rows = [[f"{run['temperature']:g}", f"{run['tau']:.3f}",
              *[f"{a:.3f}+-{e:.3f}" for a, e in zip(run["conditional_acceptance"], run["conditional_acceptance_se"])],
              f"{run['speedup']:.3f}", "-" if run["ideal_speedup"] is None else f"{run['ideal_speedup']:.3f}",
-             f"{run['plain_tok_s']:.1f}",
-             f"{run['spec_tok_s']:.1f}"]
+             f"{run['plain_tok_s']:.1f}", f"{run['spec_tok_s']:.1f}"]
             for run in report["runs"]]
     widths = [max(len(c), *(len(r[i]) for r in rows)) for i, c in enumerate(columns)]
     lines = ["  ".join(c.rjust(w) for c, w in zip(columns, widths))]

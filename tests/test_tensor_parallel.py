@@ -65,9 +65,8 @@ def bench_args(stories: str, head_dir: str) -> list[str]:
 
 def validate_args(stories: str, head_dir: str, out: str, prompts: str) -> list[str]:
     return ["--target", stories, "--head", head_dir, "--prompts", prompts, "--num-draft-tokens", "1",
-            "--max-new-tokens", "12",
-            "--batch-size", "3", "--repeats", "1", "--temperatures", "0,1", "--recommend-for", "1,3", "--out", out,
-            "--device", "cpu"]
+            "--max-new-tokens", "12", "--batch-size", "3", "--repeats", "1", "--temperatures", "0,1",
+            "--recommend-for", "1,3", "--out", out, "--device", "cpu"]
 
 
 def paged_logits(runner: ModelRunner, vocab: int, seed: int = 0) -> torch.Tensor:
