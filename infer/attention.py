@@ -392,11 +392,19 @@ class _Mirror:
             return None
         if self.keys_transposed is None:
             self.keys_transposed = matmul_attention(batch, flat.dtype, flat.device)
-        block = flat.new_zeros(shape)  # zeros: a masked key never holds a NaN (0 * NaN would leak into SDPA)
+        block = flat.new_empty(shape)
         keys, values = self.views(block, max_kv)
         gathered = flat.index_select(0, group.kv_read).view(2, batch, max_kv, kv_heads, dim).transpose(2, 3)
         keys.copy_(gathered[0])
         values.copy_(gathered[1])
+        # zeros past the gathered positions, where a masked key must never hold a NaN (0 * NaN would leak into
+        # SDPA); the gathered ones are the cache's, which starts zeroed
+        rows = block.view(2, batch, kv_heads, self.capacity, dim)
+        if self.keys_transposed:
+            block[0].view(batch, kv_heads, dim, self.capacity)[..., max_kv:].zero_()
+        else:
+            rows[0, :, :, max_kv:].zero_()
+        rows[1, :, :, max_kv:].zero_()
         self.blocks[flat.data_ptr()] = block
         self.bytes += nbytes
         return block

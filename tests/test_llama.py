@@ -263,12 +263,22 @@ def run_speculative_like(model, reference, monkeypatch, write_mirror: bool) -> i
     return gathers["n"]
 
 
+@pytest.mark.parametrize("new_memory, keys_transposed", [("as-is", False), ("nan", False), ("nan", True)],
+                         ids=["as-is", "nan", "nan-matmul"])
 @torch.no_grad()
 def test_stories_forwards_over_one_batch_read_a_mirror_and_match_transformers(stories_model, stories_reference,
-                                                                              monkeypatch):
+                                                                              monkeypatch, new_memory, keys_transposed):
     """TorchAttention keeps the keys of a batch its forwards keep attending (speculation's verify forwards and
     catch-ups) in a mirror that every forward writes into: it is gathered once per layer, not per forward, and every
-    logit is transformers' though positions are rejected and rewritten, queries padded and pages reused."""
+    logit is transformers' though positions are rejected and rewritten, queries padded and pages reused. A block is
+    allocated uninitialized: with NaN in every new one, the positions past the gathered ones, which shorter sequences
+    read masked as the longest grows (a NaN would leak through a zero weight), must come out zeroed."""
+    if new_memory == "nan":
+        new_empty = torch.Tensor.new_empty
+        monkeypatch.setattr(torch.Tensor, "new_empty", lambda self, *args, **kwargs:
+                            new_empty(self, *args, **kwargs).fill_(float("nan")))
+    if keys_transposed:  # the batched-matmul path and its mirror layout (keys transposed), at this batch of 3
+        monkeypatch.setattr(attention, "MATMUL_ATTENTION_MIN_SEQS", 1)
     gathers = run_speculative_like(stories_model, stories_reference, monkeypatch, write_mirror=True)
     assert gathers == len(stories_model.model.layers)  # one gather per layer, at the first forward over the cache
 

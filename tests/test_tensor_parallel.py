@@ -35,7 +35,8 @@ from infer.models.deepseek_v2 import DeepseekV2ForCausalLM
 from infer.models.llama import LlamaForCausalLM
 from infer.models.mtp_head import init_head_from_target, load_head, save_head
 from infer.parallel import (
-    RemoteRankError, ShardingError, TPGroup, fail, init_tp, parameter_bytes, serve_forever, spawn, stop_workers,
+    RemoteRankError, ShardingError, TPGroup, broadcast_step, fail, init_tp, parameter_bytes, receive_step,
+    serve_forever, spawn, stop_workers,
 )
 from infer.prompts import VALIDATION_PROMPTS
 from infer.sampling_params import SamplingParams
@@ -386,6 +387,58 @@ def test_generate_cli_under_torchrun_matches_one_process(stories_hf_dir, capfd):
 
 
 # --- without processes -----------------------------------------------------------------------------------------
+
+
+class _Wire:
+    """A two-rank group's broadcasts in one process: rank 0's are recorded, rank 1's receive them in order."""
+
+    def __init__(self) -> None:
+        self.sent: list[torch.Tensor] = []
+
+    def end(self, rank: int) -> "_WireEnd":
+        return _WireEnd(self, rank)
+
+
+class _WireEnd:
+    size, device = 2, torch.device("cpu")
+
+    def __init__(self, wire: _Wire, rank: int) -> None:
+        self.wire, self.rank = wire, rank
+
+    def broadcast(self, x: torch.Tensor) -> torch.Tensor:
+        if self.rank == 0:
+            self.wire.sent.append(x.clone())
+        else:
+            x.copy_(self.wire.sent.pop(0))  # a wrong size or dtype on the receiving side fails here
+        return x
+
+
+@pytest.mark.parametrize("tokens, broadcasts", [(3, 1), (2000, 2)])
+def test_a_step_reaches_the_other_ranks_whole_in_one_broadcast_when_small(tokens, broadcasts):
+    """A decode step's ids, metadata and model inputs ride in the header's broadcast; a 2,000-token prefill's (some
+    140 KB with its hidden states) follow in a second. The other rank rebuilds every tensor and int bit for bit."""
+    q_lens = [1, 1, 1] if tokens == 3 else [tokens]
+    kv_lens = [5, 9, 17] if tokens == 3 else [tokens]
+    pages = [[i * 8 + p for p in range(-(-kv // 4))] for i, kv in enumerate(kv_lens)]
+    meta = build_page_metadata(pages, q_lens, kv_lens, 4, torch.device("cpu"))
+    ids = torch.arange(sum(q_lens)) % 512
+    rows = torch.tensor([sum(q_lens) - 1])
+    hidden = torch.randn(sum(q_lens), 8)
+    wire = _Wire()
+    broadcast_step(wire.end(0), 7, ids, meta, rows, {"hidden_states": hidden, "aux_layers": (1, 2, 3)})
+    assert len(wire.sent) == broadcasts
+    runner_id, got_ids, got_meta, got_rows, inputs = receive_step(wire.end(1))
+    assert not wire.sent and runner_id == 7
+    assert torch.equal(got_ids, ids) and torch.equal(got_rows, rows) and torch.equal(inputs["hidden_states"], hidden)
+    assert inputs["aux_layers"] == (1, 2, 3)
+    for name in ("qo_indptr", "kv_indptr", "kv_indices", "kv_last_page_len", "kv_lens", "positions", "slot_mapping",
+                 "cache_rows"):
+        assert torch.equal(getattr(got_meta, name), getattr(meta, name)), name
+        assert getattr(got_meta, name).dtype == getattr(meta, name).dtype, name
+    assert (got_meta.page_size, got_meta.max_q_len, got_meta.max_kv_len) == (4, max(q_lens), max(kv_lens))
+    stop_workers(wire.end(0))
+    assert len(wire.sent) == 1 and receive_step(wire.end(1)) is None
+
 
 
 def test_shapes_that_do_not_split_name_the_field_and_the_choices():
