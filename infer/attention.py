@@ -316,8 +316,10 @@ class _Mirror:
     transposed, [D, capacity], the layout the scores' matmul reads as it is (`attention`).
 
     It stays exact because every forward of the backend writes its tokens into it as into the cache, and any forward
-    over other sequences drops it: a position a forward reads was written since the mirror was built, through the
-    mirror, or before, and then gathered into it (positions past a sequence's length are masked, as in the cache).
+    over other sequences replaces it: a position a forward reads was written since the mirror was built, through the
+    mirror, or before, and then gathered into it, from the cache or, for the sequences the mirror it replaced held
+    (that mirror current up to the forward before: `inherit`), from that mirror's block; positions past a sequence's
+    length are masked, as in the cache. A forward of several groups (or a fresh prefill) drops it.
     """
 
     def __init__(self, first_pages: torch.Tensor, capacity: int) -> None:
@@ -329,6 +331,8 @@ class _Mirror:
         self.bytes = 0
         self._offsets: dict[tuple[int, int], torch.Tensor] = {}  # (Hkv, D) -> each head's first index, K then V
         self._starts: dict[tuple[int, ...], torch.Tensor] = {}  # q_lens -> [T] each token's sequence's first row
+        self.source: _Mirror | None = None  # the mirror this one replaced, while it has blocks to hand over (inherit)
+        self.source_rows: torch.Tensor | None = None  # [n] each sequence's row there, -1 where it had none
 
     def holds(self, first_pages: torch.Tensor) -> bool:
         """Whether it mirrors these sequences, in this order."""
@@ -380,34 +384,84 @@ class _Mirror:
         tokens = torch.stack((first + positions, first + positions * dim))  # [2, T]: a key's column, a value's row
         return offsets.view(2, *[1] * positions.dim(), kv_heads, dim) + tokens[..., None, None]
 
-    def gather(self, flat: torch.Tensor, group: "_Group") -> torch.Tensor | None:
-        """A layer's first read: its keys gathered from the cache (this forward's tokens are in it already) into a
-        new block, kept while MIRROR_BYTES allow (None past them)."""
+    def inherit(self, old: "_Mirror") -> None:
+        """Take the rows of the sequences `old` mirrors too from its blocks (`gather`), not from the pages: a batch
+        whose requests end and begin a few at a time (continuous batching) copies its other rows once, contiguous,
+        where a gather reads them position by position from the pages. `old` was current up to the last forward."""
+        row_of = {page: row for row, page in enumerate(old.first_pages.tolist())}
+        rows = [row_of.get(page, -1) for page in self.first_pages.tolist()]
+        if old.blocks and max(rows) >= 0:
+            self.source, self.source_rows = old, torch.tensor(rows, device=self.first_pages.device)
+
+    def gather(self, flat: torch.Tensor, group: "_Group") -> tuple[torch.Tensor | None, bool]:
+        """A layer's first read: its keys and values in a new block, kept while MIRROR_BYTES allow (None past them),
+        and whether some rows came from the mirror this one replaced (`inherit`): those lack this forward's tokens,
+        which the caller writes; the rest are gathered from the cache, this forward's tokens in it already."""
         batch, max_kv = group.read_shape
         kv_heads, dim = flat.shape[1:]
+        layer = flat.data_ptr()
+        source = self.source
+        old = None if source is None else source.blocks.pop(layer, None)
+        if source is not None and not source.blocks:
+            self.source = None  # every layer has taken its rows: the old mirror can go
         shape = (2, batch, kv_heads, self.capacity * dim)
         nbytes = math.prod(shape) * flat.element_size()
         if self.bytes + nbytes > MIRROR_BYTES:
-            self.unkept.add(flat.data_ptr())
-            return None
+            self.unkept.add(layer)
+            return None, False
         if self.keys_transposed is None:
             self.keys_transposed = matmul_attention(batch, flat.dtype, flat.device)
         block = flat.new_empty(shape)
-        keys, values = self.views(block, max_kv)
-        gathered = flat.index_select(0, group.kv_read).view(2, batch, max_kv, kv_heads, dim).transpose(2, 3)
-        keys.copy_(gathered[0])
-        values.copy_(gathered[1])
-        # zeros past the gathered positions, where a masked key must never hold a NaN (0 * NaN would leak into
-        # SDPA); the gathered ones are the cache's, which starts zeroed
-        rows = block.view(2, batch, kv_heads, self.capacity, dim)
-        if self.keys_transposed:
-            block[0].view(batch, kv_heads, dim, self.capacity)[..., max_kv:].zero_()
+        if old is not None and source.keys_transposed == self.keys_transposed:
+            self._copy_rows(block, source, old, flat, group)
+            copied = True
         else:
-            rows[0, :, :, max_kv:].zero_()
-        rows[1, :, :, max_kv:].zero_()
-        self.blocks[flat.data_ptr()] = block
+            keys, values = self.views(block, max_kv)
+            gathered = flat.index_select(0, group.kv_read).view(2, batch, max_kv, kv_heads, dim).transpose(2, 3)
+            keys.copy_(gathered[0])
+            values.copy_(gathered[1])
+            # zeros past the gathered positions, where a masked key must never hold a NaN (0 * NaN would leak into
+            # SDPA); the gathered ones are the cache's, which starts zeroed
+            rows = block.view(2, batch, kv_heads, self.capacity, dim)
+            if self.keys_transposed:
+                block[0].view(batch, kv_heads, dim, self.capacity)[..., max_kv:].zero_()
+            else:
+                rows[0, :, :, max_kv:].zero_()
+            rows[1, :, :, max_kv:].zero_()
+            copied = False
+        self.blocks[layer] = block
         self.bytes += nbytes
-        return block
+        return block, copied
+
+    def _copy_rows(self, block: torch.Tensor, source: "_Mirror", old: torch.Tensor, flat: torch.Tensor,
+                   group: "_Group") -> None:
+        """Fill a new block: the inherited sequences' rows from the old mirror's block `old` (whole rows when both
+        have one capacity and they lead the batch, as when requests end and new ones join at its end), the others
+        gathered from the cache; past what each holds, zeros."""
+        batch, max_kv = group.read_shape
+        src = self.source_rows
+        kept = (src >= 0).nonzero()[:, 0]
+        fresh = (src < 0).nonzero()[:, 0]
+        keys, values = self.views(block, self.capacity)  # [n, Hkv, capacity, D] each
+        m = kept.numel()
+        if self.capacity == source.capacity and torch.equal(kept, torch.arange(m, device=kept.device)):
+            for half in (0, 1):
+                torch.index_select(old[half], 0, src[:m], out=block[half, :m])
+        else:
+            c = min(self.capacity, source.capacity)
+            old_keys, old_values = source.views(old, c)
+            keys[kept, :, :c] = old_keys[src[kept]]
+            values[kept, :, :c] = old_values[src[kept]]
+            keys[kept, :, c:] = 0
+            values[kept, :, c:] = 0
+        if fresh.numel():
+            slots = group.read_slots.view(batch, max_kv)[fresh].flatten()
+            gathered = flat.index_select(0, kv_rows(slots, group.page_size))
+            gathered = gathered.view(2, len(fresh), max_kv, *flat.shape[1:]).transpose(2, 3)
+            keys[fresh, :, :max_kv] = gathered[0]
+            values[fresh, :, :max_kv] = gathered[1]
+            keys[fresh, :, max_kv:] = 0
+            values[fresh, :, max_kv:] = 0
 
 
 def _first_pages(meta: PageMetadata) -> torch.Tensor:
@@ -486,6 +540,8 @@ class TorchAttention:
             # outgrown by the same sequences: twice the longest, so a batch that decodes on regathers a few times
             capacity = max(max_kv + MIRROR_SLACK, 2 * max_kv if held else 0)
             self._mirror = _Mirror(first_pages, -(-capacity // self.page_size) * self.page_size)
+            if mirror is not None:  # it was current up to the last forward: its rows go over, not the pages
+                self._mirror.inherit(mirror)
         return self._mirror
 
     def _plan_decode_step(self, meta: PageMetadata) -> None:
@@ -515,9 +571,10 @@ class TorchAttention:
         mirror = self._mirror
         if mirror is not None and flat.data_ptr() not in mirror.unkept:
             block = mirror.blocks.get(flat.data_ptr())
-            if block is None:
-                block = mirror.gather(flat, group)
-            else:
+            held = block is not None
+            if not held:
+                block, held = mirror.gather(flat, group)  # held: rows came from a mirror of the last forward
+            if held:
                 if self.mirror_write is None:  # the forward's first kept layer
                     self.mirror_write = self._mirror_rows(*flat.shape[1:])
                 mirror.write(block, self.mirror_write, kv)

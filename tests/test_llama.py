@@ -287,7 +287,7 @@ def test_stories_forwards_over_one_batch_read_a_mirror_and_match_transformers(st
 @torch.no_grad()
 def test_stories_a_decoding_batch_outgrows_its_mirror_a_logarithmic_number_of_times(stories_model, stories_reference,
                                                                                     monkeypatch, doubling):
-    """A batch that keeps decoding outgrows its mirror: each time, it is gathered anew at twice the longest sequence,
+    """A batch that keeps decoding outgrows its mirror: each time, it is rebuilt at twice the longest sequence,
     so 120 steps past a mirror of 4 slack positions regather every layer 4 times, not 30, and every logit is still
     transformers'. The control grows by the slack alone (the rule before), and the count leaves the bound."""
     monkeypatch.setattr(attention, "MIRROR_SLACK", 4)
@@ -309,6 +309,75 @@ def test_stories_a_decoding_batch_outgrows_its_mirror_a_logarithmic_number_of_ti
     layers = len(stories_model.model.layers)
     # capacities (pages of 4): 16, then twice the longest at each outgrowing: 34 -> 36, 74 -> 76, 154 -> 156
     assert (gathers["n"] == 4 * layers) == doubling, gathers["n"] // layers
+
+
+@pytest.mark.parametrize("keys_transposed", [False, True], ids=["sdpa", "matmul"])
+@torch.no_grad()
+def test_stories_requests_that_end_and_begin_take_the_others_rows_from_the_last_mirror(stories_model,
+                                                                                      stories_reference,
+                                                                                      monkeypatch, keys_transposed):
+    """Continuous batching: a request ends and another joins at the batch's end, then one joins at its front. Each
+    new mirror takes the rows of the sequences the last one held from that mirror's blocks (whole rows when they lead
+    the batch at the same capacity, position by position otherwise) and reads only the newcomer's from the pages;
+    the old mirror is let go; every logit is transformers', with every new block's memory NaN (what a row holds past
+    its sequence must come out zeroed)."""
+    if keys_transposed:  # the batched-matmul path and its mirror layout, at these few sequences
+        monkeypatch.setattr(attention, "MATMUL_ATTENTION_MIN_SEQS", 1)
+    new_empty = torch.Tensor.new_empty
+    monkeypatch.setattr(torch.Tensor, "new_empty", lambda self, *args, **kwargs:
+                        new_empty(self, *args, **kwargs).fill_(float("nan")))
+    read = []  # slots each read from the pages asked for
+    kv_rows = attention.kv_rows
+    monkeypatch.setattr(attention, "kv_rows", lambda slots, page_size: read.append(slots.numel()) or
+                        kv_rows(slots, page_size))
+    paths = []
+    copy_rows = attention._Mirror._copy_rows
+
+    def recorded(mirror, block, source, old, flat, group):
+        kept = (mirror.source_rows >= 0).nonzero()[:, 0]
+        whole = mirror.capacity == source.capacity and torch.equal(kept, torch.arange(len(kept)))
+        paths.append("whole rows" if whole else "by position")
+        return copy_rows(mirror, block, source, old, flat, group)
+
+    monkeypatch.setattr(attention._Mirror, "_copy_rows", recorded)
+    page_size, layers = 4, len(stories_model.model.layers)
+    pool = PagePool(64, page_size)
+    caches = stories_model.allocate_kv_cache(64, page_size, torch.float32, torch.device("cpu"))
+    attn = TorchAttention()
+    rng = torch.Generator().manual_seed(3)
+    live: dict[str, tuple[PageTable, torch.Tensor]] = {}
+
+    def forward(lengths: dict[str, int]) -> int:
+        """One forward: `lengths` new tokens for each named sequence, in this order (a new name joins); returns the
+        longest sequence after it."""
+        read.clear()
+        chunks = {name: torch.randint(3, 512, (n,), generator=rng) for name, n in lengths.items()}
+        for name, chunk in chunks.items():
+            table, tokens = live.setdefault(name, (PageTable(pool), chunk[:0]))
+            table.extend(len(tokens) + len(chunk))
+        q_lens = [len(chunk) for chunk in chunks.values()]
+        kv_lens = [len(live[name][1]) + q for name, q in zip(chunks, q_lens)]
+        meta = build_page_metadata([live[name][0].pages for name in chunks], q_lens, kv_lens, page_size,
+                                   torch.device("cpu"))
+        attn.plan(meta)
+        logits = stories_model(torch.cat(list(chunks.values())), meta.positions, attn, caches).logits.split(q_lens)
+        for (name, chunk), out in zip(chunks.items(), logits):
+            tokens = torch.cat((live[name][1], chunk))
+            live[name] = (live[name][0], tokens)
+            assert_close(out, reference_logits(stories_reference, tokens)[-len(chunk):])
+        return max(kv_lens)
+
+    forward({"a": 5, "b": 9, "c": 2})  # a fresh prefill: no mirror
+    forward({"a": 1, "b": 1, "c": 1})  # the first mirror, gathered from the pages
+    live.pop("a")[0].free()
+    longest = forward({"b": 1, "c": 1, "d": 3})  # a ended, d joins at the end
+    assert paths == ["whole rows"] * layers and read == [longest] * layers  # d's rows alone from the pages
+    forward({"b": 1, "c": 1, "d": 1})
+    paths.clear()
+    longest = forward({"e": 2, "b": 1, "c": 1, "d": 1})  # e joins at the front
+    assert paths == ["by position"] * layers and read == [longest] * layers
+    assert attn._mirror.source is None  # every layer took its rows: the old mirror is gone
+    forward({"e": 1, "b": 1, "c": 1, "d": 1})
 
 
 @torch.no_grad()
