@@ -533,7 +533,9 @@ class TorchAttention:
         self._mirror = None  # other sequences, or several groups: the next forward over one group gathers anew
 
     def _keep_mirror(self, meta: PageMetadata, max_kv: int) -> _Mirror:
-        """The mirror of this forward's sequences: the one kept, or a new one (its blocks gathered by the layers)."""
+        """The mirror of this forward's sequences: the one kept, or a new one, whose blocks the layers build as they
+        first read (the rows of the sequences the last one held copied from it, `_Mirror.inherit`; the others
+        gathered from the pages)."""
         first_pages, mirror = _first_pages(meta), self._mirror
         held = mirror is not None and mirror.holds(first_pages)
         if not held or max_kv > mirror.capacity:
