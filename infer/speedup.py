@@ -176,6 +176,11 @@ class Comparison:
     pairs: list[tuple[Timed, Timed]]  # each repeat's plain and speculative runs, back to back
     on_cpu: bool = True  # the engines' device: their forwards' time is a CPU figure (`step_split`)
 
+    @property
+    def pair_speedups(self) -> list[float]:
+        """Each repeat's speculative over plain tokens/s."""
+        return [spec.tok_s / plain.tok_s for plain, spec in self.pairs]
+
     def step_split(self) -> dict[str, float | None]:
         """The fastest runs' steps split into model forwards and the host work around them, ms per step (what each
         means against the ideal: `infer.bench`'s help). None on a GPU, whose forwards return at launch."""
@@ -202,14 +207,14 @@ class IdealShare:
     @classmethod
     def speedup_only(cls, result: Comparison) -> "IdealShare":
         """The median speedup over the repeats, without an ideal (no forward costs timed)."""
-        return cls(statistics.median(spec.tok_s / plain.tok_s for plain, spec in result.pairs), None, None)
+        return cls(statistics.median(result.pair_speedups), None, None)
 
     @classmethod
     def of_ideals(cls, result: Comparison, ideals: Sequence[float]) -> "IdealShare":
         """ideals[i]: the ideal speedup at the forward costs timed after result.pairs[i]."""
         if len(ideals) != len(result.pairs):
             raise ValueError(f"{len(ideals)} forward-cost measurements for {len(result.pairs)} repeats")
-        speedups = [spec.tok_s / plain.tok_s for plain, spec in result.pairs]
+        speedups = result.pair_speedups
         return cls(statistics.median(speedups), statistics.median(ideals),
                    statistics.median(s / i for s, i in zip(speedups, ideals)))
 

@@ -210,6 +210,13 @@ def count_mirror_gathers(monkeypatch) -> dict[str, int]:
     return gathers
 
 
+def new_memory_is_nan(monkeypatch) -> None:
+    """Every `new_empty` tensor starts filled with NaN: what a mirror's block holds unwritten must not leak."""
+    new_empty = torch.Tensor.new_empty
+    monkeypatch.setattr(torch.Tensor, "new_empty", lambda self, *args, **kwargs:
+                        new_empty(self, *args, **kwargs).fill_(float("nan")))
+
+
 def run_speculative_like(model, reference, monkeypatch, write_mirror: bool) -> int:
     """Forwards over one batch as speculation runs them: verify-like steps of 3 tokens per sequence that accept a
     random share (the rejected positions are rewritten by the next step with other tokens), catch-up-like steps of
@@ -274,9 +281,7 @@ def test_stories_forwards_over_one_batch_read_a_mirror_and_match_transformers(st
     allocated uninitialized: with NaN in every new one, the positions past the gathered ones, which shorter sequences
     read masked as the longest grows (a NaN would leak through a zero weight), must come out zeroed."""
     if new_memory == "nan":
-        new_empty = torch.Tensor.new_empty
-        monkeypatch.setattr(torch.Tensor, "new_empty", lambda self, *args, **kwargs:
-                            new_empty(self, *args, **kwargs).fill_(float("nan")))
+        new_memory_is_nan(monkeypatch)
     if keys_transposed:  # the batched-matmul path and its mirror layout (keys transposed), at this batch of 3
         monkeypatch.setattr(attention, "MATMUL_ATTENTION_MIN_SEQS", 1)
     gathers = run_speculative_like(stories_model, stories_reference, monkeypatch, write_mirror=True)
@@ -323,9 +328,7 @@ def test_stories_requests_that_end_and_begin_take_the_others_rows_from_the_last_
     its sequence must come out zeroed)."""
     if keys_transposed:  # the batched-matmul path and its mirror layout, at these few sequences
         monkeypatch.setattr(attention, "MATMUL_ATTENTION_MIN_SEQS", 1)
-    new_empty = torch.Tensor.new_empty
-    monkeypatch.setattr(torch.Tensor, "new_empty", lambda self, *args, **kwargs:
-                        new_empty(self, *args, **kwargs).fill_(float("nan")))
+    new_memory_is_nan(monkeypatch)
     read = []  # slots each read from the pages asked for
     kv_rows = attention.kv_rows
     monkeypatch.setattr(attention, "kv_rows", lambda slots, page_size: read.append(slots.numel()) or
