@@ -21,7 +21,7 @@ alive = libc.mallinfo2()
 del block
 freed = libc.mallinfo2()
 faults = []
-for _ in range(12):  # a training step's pattern: the same large activations allocated, written and freed
+for _ in range(16):  # a training step's pattern: the same large activations allocated, written and freed
     start = resource.getrusage(resource.RUSAGE_SELF).ru_minflt
     gate_up = torch.ones(4096, 2752)
     act = torch.nn.functional.silu(gate_up[:, :1376]) * gate_up[:, 1376:]
@@ -43,7 +43,8 @@ def run_steps(mode: str) -> dict:
 
 def test_freed_memory_is_reused_without_page_faults():
     """Kept: a large block comes from malloc's heap, which stays as large once it is freed, and after a few cycles
-    (glibc's memalign may take fresh memory for the first ones) no allocation faults a page in. The control, glibc's
+    (glibc's memalign may take fresh memory for the first ones: cycles 1-3 here in 40 runs, cycle 4 once in CI) no
+    allocation faults a page in. The control, glibc's
     defaults: the block is mapped on its own, to be unmapped on free (how many pages each later cycle faults then
     varies with where the blocks land: 0-2 blocks' worth)."""
     pages = BLOCK // 4096
@@ -51,7 +52,7 @@ def test_freed_memory_is_reused_without_page_faults():
     assert kept["applied"]
     assert kept["mapped_alone"] == 0 and kept["heap_grew"] >= BLOCK and kept["heap_after_free"] >= BLOCK
     assert kept["faults"][0] > pages  # the first cycle maps its blocks
-    assert sum(kept["faults"][4:]) < pages // 100  # eight cycles, nothing mapped anew
+    assert sum(kept["faults"][8:]) < pages // 100  # the last eight cycles, nothing mapped anew
     default = run_steps("default")
     assert default["mapped_alone"] >= BLOCK and default["heap_grew"] < BLOCK
     assert default["faults"][1] > pages  # the second cycle maps its largest block again
