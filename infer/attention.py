@@ -434,22 +434,32 @@ class _Mirror:
         return block, copied
 
     def _copy_rows(self, block: torch.Tensor, source: "_Mirror", old: torch.Tensor, flat: torch.Tensor,
-                   group: "_Group") -> None:
-        """Fill a new block: the inherited sequences' rows from the old mirror's block `old` (whole rows when both
-        have one capacity and they lead the batch, as when requests end and new ones join at its end), the others
-        gathered from the cache; past what each holds, zeros."""
+                   group: "_Group") -> str:
+        """Fill a new block: the inherited sequences' rows from the old mirror's block `old`, the others gathered
+        from the cache; past what each holds, zeros. Returns how the rows went over: "whole rows" (both blocks of one
+        capacity, the inherited sequences leading the batch, as when requests end and new ones join at its end),
+        "in order" (they lead the batch in their old rows: slices, as when a batch outgrows its mirror) or "by
+        position" (indexed, position by position)."""
         batch, max_kv = group.read_shape
         src = self.source_rows
         kept = (src >= 0).nonzero()[:, 0]
         fresh = (src < 0).nonzero()[:, 0]
         keys, values = self.views(block, self.capacity)  # [n, Hkv, capacity, D] each
         m = kept.numel()
-        if self.capacity == source.capacity and torch.equal(kept, torch.arange(m, device=kept.device)):
+        first = torch.arange(m, device=kept.device)
+        c = min(self.capacity, source.capacity)
+        old_keys, old_values = source.views(old, c)
+        if self.capacity == source.capacity and torch.equal(kept, first):
+            path = "whole rows"
             for half in (0, 1):
                 torch.index_select(old[half], 0, src[:m], out=block[half, :m])
+        elif torch.equal(src[:m], first):  # rows 0..m-1 here were rows 0..m-1 there
+            path = "in order"
+            for new, prior in ((keys, old_keys), (values, old_values)):
+                new[:m, :, :c].copy_(prior[:m])
+                new[:m, :, c:].zero_()
         else:
-            c = min(self.capacity, source.capacity)
-            old_keys, old_values = source.views(old, c)
+            path = "by position"
             keys[kept, :, :c] = old_keys[src[kept]]
             values[kept, :, :c] = old_values[src[kept]]
             keys[kept, :, c:] = 0
@@ -462,6 +472,7 @@ class _Mirror:
             values[fresh, :, :max_kv] = gathered[1]
             keys[fresh, :, max_kv:] = 0
             values[fresh, :, max_kv:] = 0
+        return path
 
 
 def _first_pages(meta: PageMetadata) -> torch.Tensor:

@@ -210,6 +210,14 @@ def count_mirror_gathers(monkeypatch) -> dict[str, int]:
     return gathers
 
 
+def record_copy_paths(monkeypatch) -> list[str]:
+    """How each new mirror block took its rows from the last mirror's (`_Mirror._copy_rows`), in order."""
+    paths = []
+    copy_rows = attention._Mirror._copy_rows
+    monkeypatch.setattr(attention._Mirror, "_copy_rows", lambda *args: paths.append(copy_rows(*args)) or paths[-1])
+    return paths
+
+
 def new_memory_is_nan(monkeypatch) -> None:
     """Every `new_empty` tensor starts filled with NaN: what a mirror's block holds unwritten must not leak."""
     new_empty = torch.Tensor.new_empty
@@ -288,14 +296,26 @@ def test_stories_forwards_over_one_batch_read_a_mirror_and_match_transformers(st
     assert gathers == len(stories_model.model.layers)  # one gather per layer, at the first forward over the cache
 
 
-@pytest.mark.parametrize("doubling", [True, False], ids=["doubling", "control-by-slack"])
+@pytest.mark.parametrize("doubling, keys_transposed", [(True, False), (True, True), (False, False)],
+                         ids=["doubling", "doubling-matmul", "control-by-slack"])
 @torch.no_grad()
 def test_stories_a_decoding_batch_outgrows_its_mirror_a_logarithmic_number_of_times(stories_model, stories_reference,
-                                                                                    monkeypatch, doubling):
+                                                                                    monkeypatch, doubling,
+                                                                                    keys_transposed):
     """A batch that keeps decoding outgrows its mirror: each time, it is rebuilt at twice the longest sequence,
     so 120 steps past a mirror of 4 slack positions regather every layer 4 times, not 30, and every logit is still
-    transformers'. The control grows by the slack alone (the rule before), and the count leaves the bound."""
+    transformers'. The control grows by the slack alone (the rule before), and the count leaves the bound. A new
+    block takes the rows from the last one by slices, reading nothing from the pages, and zeroes what lies past them
+    (new memory NaN)."""
     monkeypatch.setattr(attention, "MIRROR_SLACK", 4)
+    if keys_transposed:  # the batched-matmul path and its mirror layout, at this batch of 2
+        monkeypatch.setattr(attention, "MATMUL_ATTENTION_MIN_SEQS", 1)
+    new_memory_is_nan(monkeypatch)
+    paths = record_copy_paths(monkeypatch)
+    read = []  # slots each read from the pages asked for
+    kv_rows = attention.kv_rows
+    monkeypatch.setattr(attention, "kv_rows", lambda slots, page_size: read.append(slots.numel()) or
+                        kv_rows(slots, page_size))
     if not doubling:
         keep = attention.TorchAttention._keep_mirror
 
@@ -314,6 +334,8 @@ def test_stories_a_decoding_batch_outgrows_its_mirror_a_logarithmic_number_of_ti
     layers = len(stories_model.model.layers)
     # capacities (pages of 4): 16, then twice the longest at each outgrowing: 34 -> 36, 74 -> 76, 154 -> 156
     assert (gathers["n"] == 4 * layers) == doubling, gathers["n"] // layers
+    if doubling:  # the first mirror gathered from the pages (one read plan, every layer's), each later one from the last
+        assert paths == ["in order"] * 3 * layers and len(read) == 1
 
 
 @pytest.mark.parametrize("keys_transposed", [False, True], ids=["sdpa", "matmul"])
@@ -333,16 +355,7 @@ def test_stories_requests_that_end_and_begin_take_the_others_rows_from_the_last_
     kv_rows = attention.kv_rows
     monkeypatch.setattr(attention, "kv_rows", lambda slots, page_size: read.append(slots.numel()) or
                         kv_rows(slots, page_size))
-    paths = []
-    copy_rows = attention._Mirror._copy_rows
-
-    def recorded(mirror, block, source, old, flat, group):
-        kept = (mirror.source_rows >= 0).nonzero()[:, 0]
-        whole = mirror.capacity == source.capacity and torch.equal(kept, torch.arange(len(kept)))
-        paths.append("whole rows" if whole else "by position")
-        return copy_rows(mirror, block, source, old, flat, group)
-
-    monkeypatch.setattr(attention._Mirror, "_copy_rows", recorded)
+    paths = record_copy_paths(monkeypatch)
     page_size, layers = 4, len(stories_model.model.layers)
     pool = PagePool(64, page_size)
     caches = stories_model.allocate_kv_cache(64, page_size, torch.float32, torch.device("cpu"))
