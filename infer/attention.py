@@ -241,19 +241,22 @@ class _Group:
             self._sdpa_masks = {}
         self.visible, self.step = visible, step
 
-    def sdpa_mask(self, dtype: torch.dtype, group_size: int) -> torch.Tensor | None:
-        """The mask as SDPA takes it cheapest, built once per step (or decode run) and reused by every layer:
+    def sdpa_mask(self, dtype: torch.dtype, group_size: int, kv_heads: int = 1) -> torch.Tensor | None:
+        """The mask as attention takes it cheapest, built once per step (or decode run) and reused by every layer:
         additive (0 / -inf) in the queries' dtype (SDPA converts a boolean mask on every call), rows repeated for the
-        query heads folded into them (see attend_cached; a decode's one row broadcasts): [n, 1, rows, max_kv]."""
+        query heads folded into them (see attend_cached; a decode's one row broadcasts): [n, 1, rows, max_kv], or
+        [n, kv_heads, rows, max_kv] laid out for every KV head, as the batched matmuls add it (`attention`)."""
         if self.visible is None:
             return None
-        built = self._sdpa_masks.get((dtype, group_size))
+        built = self._sdpa_masks.get((dtype, group_size, kv_heads))
         if built is None:
             visible = self.visible
             if self.q_len > 1:  # [n, q_len] -> [n, q_len * G], row j * G + g
                 visible = visible[..., None].expand(*visible.shape, group_size).flatten(-2)
             built = additive_mask(visible, self.read_shape[1], dtype)[..., None, :, :]
-            self._sdpa_masks[(dtype, group_size)] = built
+            if kv_heads > 1:
+                built = built.expand(*built.shape[:-3], kv_heads, *built.shape[-2:]).contiguous()
+            self._sdpa_masks[(dtype, group_size, kv_heads)] = built
         return built if self.step is None else built[self.step]
 
     def attend_cached(self, q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, scale: float) -> torch.Tensor:
@@ -268,7 +271,7 @@ class _Group:
         n, kv_heads, heads, dk = self.num_seqs, keys.shape[1], q.shape[1], q.shape[2]
         if self.rows is not None:
             q = q.index_select(0, self.rows)
-        mask = self.sdpa_mask(q.dtype, heads // kv_heads)
+        mask = self.sdpa_mask(q.dtype, heads // kv_heads, kv_heads if matmul_attention(n, q.dtype, q.device) else 1)
         if self.q_len == 1:
             # reshape: CUDA's fused SDPA kernels return [n, Hkv, rows, D] in [n, rows, Hkv, D] memory (a view fails)
             return attention(q.view(n, kv_heads, -1, dk), keys, values, mask, scale).reshape(n, heads, -1)
@@ -297,12 +300,19 @@ def attention(q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, mask: t
     many tiny per-(sequence, head) tiles (stories260K, 4 KV heads of 8 dims, 170 keys: 0.90x its time for decodes at
     batch 32, 0.88x for verify rows; the same at 8-16, 1.8x slower at batch 1). Keys stored transposed are what the
     scores' matmul reads (a [Dk, L] slice of rows), where keys stored row by row are copied transposed by the matmul
-    on every call (_Mirror): plain decoding at batch 32, the batched matmuls 0.83x their time, a step 0.97x."""
+    on every call (_Mirror): plain decoding at batch 32, the batched matmuls 0.83x their time, a step 0.97x. A mask
+    is added, and the scale applied, by the scores' matmul itself (baddbmm), the mask laid out for every KV head
+    (`_Group.sdpa_mask`: a view here, where one of one head would be copied out per call)."""
     if matmul_attention(q.shape[0], q.dtype, q.device) and keys.stride(-2) in (keys.shape[-1], 1):
-        scores = torch.matmul(q * scale, keys.transpose(-1, -2))  # [n, Hkv, rows, L]
-        if mask is not None:
-            scores.add_(mask)
-        return torch.matmul(scores.softmax(-1), values)
+        n, kv_heads, rows, dk = q.shape
+        length = keys.shape[-2]
+        q, keys_t = q.reshape(n * kv_heads, rows, dk), keys.transpose(-1, -2).reshape(n * kv_heads, dk, length)
+        if mask is None:
+            scores = torch.bmm(q * scale, keys_t)
+        else:
+            mask = mask.expand(n, kv_heads, mask.shape[-2], length).reshape(n * kv_heads, -1, length)
+            scores = torch.baddbmm(mask, q, keys_t, alpha=scale)
+        return torch.matmul(scores.view(n, kv_heads, rows, length).softmax(-1), values)  # [n, Hkv, rows, Dv]
     return F.scaled_dot_product_attention(q, keys, values, attn_mask=mask, scale=scale)
 
 

@@ -15,6 +15,7 @@ from safetensors.torch import save_file
 from transformers import DeepseekV2Config
 from transformers import DeepseekV2ForCausalLM as HFDeepseekV2
 
+from infer import attention
 from infer.attention import TorchAttention
 from infer.kv_cache import PagePool, PageTable, build_page_metadata
 from infer.loader import load_model
@@ -138,8 +139,12 @@ def test_packed_prefill_matches_transformers(models):
         assert_close(logits, reference_logits(reference, tokens))
 
 
-def test_decode_matches_transformers(models):
-    """Prompt prefill, then single-token steps (and one 3-token chunk) across 4-token pages."""
+@pytest.mark.parametrize("matmul", [False, True], ids=["sdpa", "matmul"])
+def test_decode_matches_transformers(models, monkeypatch, matmul):
+    """Prompt prefill, then single-token steps (and one 3-token chunk) across 4-token pages; also through the
+    batched matmuls that many sequences take (`infer.attention.attention`), masked, at this batch of 2."""
+    if matmul:
+        monkeypatch.setattr(attention, "MATMUL_ATTENTION_MIN_SEQS", 1)
     reference, model = models
     seqs = random_tokens(7 + 10, 3 + 12, seed=2)
     q_lens = [(7, 3)] + [(1, 1)] * 4 + [(1, 3)] + [(1, 1)] * 5
