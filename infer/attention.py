@@ -300,9 +300,11 @@ def attention(q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, mask: t
     many tiny per-(sequence, head) tiles (stories260K, 4 KV heads of 8 dims, 170 keys: 0.90x its time for decodes at
     batch 32, 0.88x for verify rows; the same at 8-16, 1.8x slower at batch 1). Keys stored transposed are what the
     scores' matmul reads (a [Dk, L] slice of rows), where keys stored row by row are copied transposed by the matmul
-    on every call (_Mirror): plain decoding at batch 32, the batched matmuls 0.83x their time, a step 0.97x. A mask
-    is added, and the scale applied, by the scores' matmul itself (baddbmm), the mask laid out for every KV head
-    (`_Group.sdpa_mask`: a view here, where one of one head would be copied out per call)."""
+    on every call (_Mirror): plain decoding at batch 32, the batched matmuls 0.83x their time, a step 0.97x. Values
+    stored transposed too ([Dv, L]) are read by the second matmul as a transposed operand: at batch 32 0.78x its
+    time over 72 keys, 0.68x over 200. A mask is added, and the scale applied, by the scores' matmul itself
+    (baddbmm), the mask laid out for every KV head (`_Group.sdpa_mask`: a view here, where one of one head would be
+    copied out per call)."""
     if matmul_attention(q.shape[0], q.dtype, q.device) and keys.stride(-2) in (keys.shape[-1], 1):
         n, kv_heads, rows, dk = q.shape
         length = keys.shape[-2]
@@ -312,7 +314,8 @@ def attention(q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, mask: t
         else:
             mask = mask.expand(n, kv_heads, mask.shape[-2], length).reshape(n * kv_heads, -1, length)
             scores = torch.baddbmm(mask, q, keys_t, alpha=scale)
-        return torch.matmul(scores.view(n, kv_heads, rows, length).softmax(-1), values)  # [n, Hkv, rows, Dv]
+        values = values.reshape(n * kv_heads, length, values.shape[-1])
+        return torch.bmm(scores.softmax(-1), values).view(n, kv_heads, rows, -1)  # [n, Hkv, rows, Dv]
     return F.scaled_dot_product_attention(q, keys, values, attn_mask=mask, scale=scale)
 
 
@@ -321,9 +324,9 @@ class _Mirror:
     backend keeps while its forwards attend the same sequences, so a layer reads its keys as a view instead of a
     gather from the pages.
 
-    A block is [2, n, Hkv, capacity * D], K then V, head-major: a head's values are [capacity, D] rows (the row of a
-    key is its position); its keys are the same rows, or, where the batch attends by matmul (`matmul_attention`),
-    transposed, [D, capacity], the layout the scores' matmul reads as it is (`attention`).
+    A block is [2, n, Hkv, capacity * D], K then V, head-major: a head's keys and values are [capacity, D] rows (the
+    row of a key is its position), or, where the batch attends by matmul (`matmul_attention`), transposed, [D,
+    capacity], the layout both matmuls read fastest (`attention`).
 
     It stays exact because every forward of the backend writes its tokens into it as into the cache, and any forward
     over other sequences replaces it: a position a forward reads was written since the mirror was built, through the
@@ -335,7 +338,7 @@ class _Mirror:
     def __init__(self, first_pages: torch.Tensor, capacity: int) -> None:
         self.first_pages = first_pages  # [n] each sequence's first page: which sequences, in which order
         self.capacity = capacity
-        self.keys_transposed: bool | None = None  # set by the first gather: by the batch's attention path
+        self.transposed: bool | None = None  # set by the first gather: by the batch's attention path
         self.blocks: dict[int, torch.Tensor] = {}  # layer cache data_ptr -> its block
         self.unkept: set[int] = set()  # layers past MIRROR_BYTES: they gather every forward
         self.bytes = 0
@@ -351,22 +354,22 @@ class _Mirror:
     def views(self, block: torch.Tensor, length: int) -> tuple[torch.Tensor, torch.Tensor]:
         """A block's keys and values at positions 0..length-1: two [n, Hkv, length, D] views."""
         n, kv_heads = block.shape[1:3]
-        rows = block.view(2, n, kv_heads, self.capacity, -1)
-        if not self.keys_transposed:
-            return rows[0, :, :, :length], rows[1, :, :, :length]
-        keys = block[0].view(n, kv_heads, -1, self.capacity)[..., :length].transpose(-1, -2)
-        return keys, rows[1, :, :, :length]
+        if not self.transposed:
+            rows = block.view(2, n, kv_heads, self.capacity, -1)[:, :, :, :length]
+            return rows[0], rows[1]
+        columns = block.view(2, n, kv_heads, -1, self.capacity)[..., :length].transpose(-1, -2)
+        return columns[0], columns[1]
 
     def write(self, block: torch.Tensor, index: torch.Tensor, kv: torch.Tensor) -> None:
         """kv = cat(K, V) [2T, Hkv, D] into the block at `index` (`rows`, flattened)."""
-        if self.keys_transposed:
+        if self.transposed:
             block.view(-1).index_copy_(0, index, kv.flatten())
         else:
             block.view(-1, kv.shape[-1]).index_copy_(0, index, kv.view(-1, kv.shape[-1]))
 
     def rows(self, q_lens: list[int], positions: torch.Tensor, kv_heads: int, dim: int) -> torch.Tensor:
         """Each sequence's new tokens (q_lens, packed) at their positions [T] -> where a block takes their keys, then
-        their values (`write`): [2, T, Hkv], rows of its flat [2 * n * Hkv * capacity, D] view, or, keys transposed,
+        their values (`write`): [2, T, Hkv], rows of its flat [2 * n * Hkv * capacity, D] view, or, transposed,
         [2, T, Hkv, D], elements of its flat view (positions may be [S, B], S steps of a run -> [2, S, B, Hkv(, D)]).
         What depends only on the mirror's layout is built once."""
         head_rows = self.capacity * kv_heads  # one sequence's rows
@@ -374,9 +377,9 @@ class _Mirror:
         offsets = self._offsets.get((kv_heads, dim))
         device = positions.device
         if offsets is None:
-            if self.keys_transposed:  # [2, Hkv, D]: key element d of head h starts row h * D + d of positions;
-                h, d = torch.arange(kv_heads, device=device)[:, None], torch.arange(dim, device=device)  # value: column d
-                offsets = torch.stack(((h * dim + d) * self.capacity, values_at * dim + h * self.capacity * dim + d))
+            if self.transposed:  # [2, Hkv, D]: element d of head h starts row h * D + d of positions
+                h, d = torch.arange(kv_heads, device=device)[:, None], torch.arange(dim, device=device)
+                offsets = torch.stack(((h * dim + d) * self.capacity, values_at * dim + (h * dim + d) * self.capacity))
             else:
                 heads = torch.arange(0, head_rows, self.capacity, device=device)  # [Hkv]
                 offsets = torch.stack((heads, heads + values_at))
@@ -387,12 +390,11 @@ class _Mirror:
             starts = torch.tensor([b * head_rows for b, q_len in enumerate(q_lens) for _ in range(q_len)],
                                   device=device)
             self._starts[key] = starts
-        if not self.keys_transposed:
+        if not self.transposed:
             token_rows = starts + positions  # [T] or [S, B]
             return offsets.view(2, *[1] * token_rows.dim(), kv_heads) + token_rows[..., None]
-        first = starts * dim  # each token's sequence's first element
-        tokens = torch.stack((first + positions, first + positions * dim))  # [2, T]: a key's column, a value's row
-        return offsets.view(2, *[1] * positions.dim(), kv_heads, dim) + tokens[..., None, None]
+        columns = starts * dim + positions  # each token's column: its sequence's first element, then its position
+        return offsets.view(2, *[1] * positions.dim(), kv_heads, dim) + columns[..., None, None]
 
     def inherit(self, old: "_Mirror") -> None:
         """Take the rows of the sequences `old` mirrors too from its blocks (`gather`), not from the pages: a batch
@@ -419,10 +421,10 @@ class _Mirror:
         if self.bytes + nbytes > MIRROR_BYTES:
             self.unkept.add(layer)
             return None, False
-        if self.keys_transposed is None:
-            self.keys_transposed = matmul_attention(batch, flat.dtype, flat.device)
+        if self.transposed is None:
+            self.transposed = matmul_attention(batch, flat.dtype, flat.device)
         block = flat.new_empty(shape)
-        if old is not None and source.keys_transposed == self.keys_transposed:
+        if old is not None and source.transposed == self.transposed:
             self._copy_rows(block, source, old, flat, group)
             copied = True
         else:
@@ -432,12 +434,10 @@ class _Mirror:
             values.copy_(gathered[1])
             # zeros past the gathered positions, where a masked key must never hold a NaN (0 * NaN would leak into
             # SDPA); the gathered ones are the cache's, which starts zeroed
-            rows = block.view(2, batch, kv_heads, self.capacity, dim)
-            if self.keys_transposed:
-                block[0].view(batch, kv_heads, dim, self.capacity)[..., max_kv:].zero_()
+            if self.transposed:
+                block.view(2, batch, kv_heads, dim, self.capacity)[..., max_kv:].zero_()
             else:
-                rows[0, :, :, max_kv:].zero_()
-            rows[1, :, :, max_kv:].zero_()
+                block.view(2, batch, kv_heads, self.capacity, dim)[:, :, :, max_kv:].zero_()
             copied = False
         self.blocks[layer] = block
         self.bytes += nbytes

@@ -170,7 +170,7 @@ def test_stories_decode_run_planned_once_matches_transformers(stories_model, sto
     reads the keys of the last and masks the positions not yet written) and keeps each layer's gathered keys in a
     mirror, later steps writing theirs into it (or, past MIRROR_BYTES, gathers every step); each step still gives
     transformers' logits, although the cache past every sequence holds garbage. A batch that attends by matmul
-    keeps its keys transposed in the mirror, and the run's writes land there too."""
+    keeps its keys and values transposed in the mirror, and the run's writes land there too."""
     monkeypatch.setattr(attention, "MIRROR_BYTES", kept_bytes)
     prompt_lens, num_steps, page_size = [(5, 12, 3)[b % 3] + b // 3 for b in range(num_seqs)], 4, 4
     seqs = random_tokens(512, *(n + num_steps for n in prompt_lens), seed=5)
@@ -192,7 +192,7 @@ def test_stories_decode_run_planned_once_matches_transformers(stories_model, sto
         logits.append(stories_model(ids, meta.positions, attn, caches).logits.split(1))
     assert len(attn._mirror.blocks) == (len(caches) if kept_bytes else 0)  # the path under test was taken
     transposed = num_seqs >= attention.MATMUL_ATTENTION_MIN_SEQS if kept_bytes else None  # None: nothing kept
-    assert attn._mirror.keys_transposed is transposed
+    assert attn._mirror.transposed is transposed
     for b, tokens in enumerate(seqs):
         assert_close(torch.cat([step[b] for step in logits]), reference_logits(stories_reference, tokens))
 
@@ -278,11 +278,11 @@ def run_speculative_like(model, reference, monkeypatch, write_mirror: bool) -> i
     return gathers["n"]
 
 
-@pytest.mark.parametrize("new_memory, keys_transposed", [("as-is", False), ("nan", False), ("nan", True)],
+@pytest.mark.parametrize("new_memory, transposed", [("as-is", False), ("nan", False), ("nan", True)],
                          ids=["as-is", "nan", "nan-matmul"])
 @torch.no_grad()
 def test_stories_forwards_over_one_batch_read_a_mirror_and_match_transformers(stories_model, stories_reference,
-                                                                              monkeypatch, new_memory, keys_transposed):
+                                                                              monkeypatch, new_memory, transposed):
     """TorchAttention keeps the keys of a batch its forwards keep attending (speculation's verify forwards and
     catch-ups) in a mirror that every forward writes into: it is gathered once per layer, not per forward, and every
     logit is transformers' though positions are rejected and rewritten, queries padded and pages reused. A block is
@@ -290,25 +290,25 @@ def test_stories_forwards_over_one_batch_read_a_mirror_and_match_transformers(st
     read masked as the longest grows (a NaN would leak through a zero weight), must come out zeroed."""
     if new_memory == "nan":
         new_memory_is_nan(monkeypatch)
-    if keys_transposed:  # the batched-matmul path and its mirror layout (keys transposed), at this batch of 3
+    if transposed:  # the batched-matmul path and its mirror layout (transposed), at this batch of 3
         monkeypatch.setattr(attention, "MATMUL_ATTENTION_MIN_SEQS", 1)
     gathers = run_speculative_like(stories_model, stories_reference, monkeypatch, write_mirror=True)
     assert gathers == len(stories_model.model.layers)  # one gather per layer, at the first forward over the cache
 
 
-@pytest.mark.parametrize("doubling, keys_transposed", [(True, False), (True, True), (False, False)],
+@pytest.mark.parametrize("doubling, transposed", [(True, False), (True, True), (False, False)],
                          ids=["doubling", "doubling-matmul", "control-by-slack"])
 @torch.no_grad()
 def test_stories_a_decoding_batch_outgrows_its_mirror_a_logarithmic_number_of_times(stories_model, stories_reference,
                                                                                     monkeypatch, doubling,
-                                                                                    keys_transposed):
+                                                                                    transposed):
     """A batch that keeps decoding outgrows its mirror: each time, it is rebuilt at twice the longest sequence,
     so 120 steps past a mirror of 4 slack positions regather every layer 4 times, not 30, and every logit is still
     transformers'. The control grows by the slack alone (the rule before), and the count leaves the bound. A new
     block takes the rows from the last one by slices, reading nothing from the pages, and zeroes what lies past them
     (new memory NaN)."""
     monkeypatch.setattr(attention, "MIRROR_SLACK", 4)
-    if keys_transposed:  # the batched-matmul path and its mirror layout, at this batch of 2
+    if transposed:  # the batched-matmul path and its mirror layout, at this batch of 2
         monkeypatch.setattr(attention, "MATMUL_ATTENTION_MIN_SEQS", 1)
     new_memory_is_nan(monkeypatch)
     paths = record_copy_paths(monkeypatch)
@@ -338,17 +338,17 @@ def test_stories_a_decoding_batch_outgrows_its_mirror_a_logarithmic_number_of_ti
         assert paths == ["in order"] * 3 * layers and len(read) == 1
 
 
-@pytest.mark.parametrize("keys_transposed", [False, True], ids=["sdpa", "matmul"])
+@pytest.mark.parametrize("transposed", [False, True], ids=["sdpa", "matmul"])
 @torch.no_grad()
 def test_stories_requests_that_end_and_begin_take_the_others_rows_from_the_last_mirror(stories_model,
                                                                                       stories_reference,
-                                                                                      monkeypatch, keys_transposed):
+                                                                                      monkeypatch, transposed):
     """Continuous batching: a request ends and another joins at the batch's end, then one joins at its front. Each
     new mirror takes the rows of the sequences the last one held from that mirror's blocks (whole rows when they lead
     the batch at the same capacity, position by position otherwise) and reads only the newcomer's from the pages;
     the old mirror is let go; every logit is transformers', with every new block's memory NaN (what a row holds past
     its sequence must come out zeroed)."""
-    if keys_transposed:  # the batched-matmul path and its mirror layout, at these few sequences
+    if transposed:  # the batched-matmul path and its mirror layout, at these few sequences
         monkeypatch.setattr(attention, "MATMUL_ATTENTION_MIN_SEQS", 1)
     new_memory_is_nan(monkeypatch)
     read = []  # slots each read from the pages asked for
