@@ -282,7 +282,7 @@ class _Group:
         return out if self.q_valid is None else out[self.q_valid.flatten()]
 
 
-MATMUL_ATTENTION_MIN_SEQS = 24  # see `attention`
+MATMUL_ATTENTION_MIN_SEQS = 12  # see `attention`
 
 
 def matmul_attention(num_seqs: int, dtype: torch.dtype, device: torch.device) -> bool:
@@ -297,8 +297,9 @@ def attention(q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, mask: t
     SDPA, except for fp32 CPU queries of at least MATMUL_ATTENTION_MIN_SEQS sequences over a mirror's keys (each
     head's keys contiguous, row by row or, as the mirror keeps them for this path, transposed: each head's [Dk, L]
     rows of positions), where two batched matmuls and a softmax beat SDPA's CPU kernel, whose cost there goes to its
-    many tiny per-(sequence, head) tiles (stories260K, 4 KV heads of 8 dims, 170 keys: 0.90x its time for decodes at
-    batch 32, 0.88x for verify rows; the same at 8-16, 1.8x slower at batch 1). Keys stored transposed are what the
+    many tiny per-(sequence, head) tiles (stories260K, 4 KV heads of 8 dims, 90 keys, decodes / verify rows: 0.78x /
+    0.90x its time at batch 24, 0.85x / 0.87x at 16, 0.94x / 0.95x at 12, 1.13x / 1.00x at 8, 1.49x / 1.25x at 4;
+    infer.bench at batch 12 and 16, 1.00-1.02x tokens/s with the threshold at 12 against 24). Keys stored transposed are what the
     scores' matmul reads (a [Dk, L] slice of rows), where keys stored row by row are copied transposed by the matmul
     on every call (_Mirror): plain decoding at batch 32, the batched matmuls 0.83x their time, a step 0.97x. Values
     stored transposed too ([Dv, L]) are read by the second matmul as a transposed operand: at batch 32 0.78x its
