@@ -299,11 +299,11 @@ def attention(q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, mask: t
     rows of positions), where two batched matmuls and a softmax beat SDPA's CPU kernel, whose cost there goes to its
     many tiny per-(sequence, head) tiles (stories260K, 4 KV heads of 8 dims, 90 keys, decodes / verify rows: 0.78x /
     0.90x its time at batch 24, 0.85x / 0.87x at 16, 0.94x / 0.95x at 12, 1.13x / 1.00x at 8, 1.49x / 1.25x at 4;
-    infer.bench at batch 12 and 16, 1.00-1.02x tokens/s with the threshold at 12 against 24). Keys stored transposed are what the
-    scores' matmul reads (a [Dk, L] slice of rows), where keys stored row by row are copied transposed by the matmul
-    on every call (_Mirror): plain decoding at batch 32, the batched matmuls 0.83x their time, a step 0.97x. Values
-    stored transposed too ([Dv, L]) are read by the second matmul as a transposed operand: at batch 32 0.78x its
-    time over 72 keys, 0.68x over 200. A mask is added, and the scale applied, by the scores' matmul itself
+    infer.bench at batch 12 and 16, 1.00-1.02x tokens/s with the threshold at 12 against 24). Keys stored transposed
+    are what the scores' matmul reads (a [Dk, L] slice of rows), where keys stored row by row are copied transposed by
+    the matmul on every call (_Mirror): plain decoding at batch 32, the batched matmuls 0.83x their time, a step
+    0.97x. Values stored transposed too ([Dv, L]) are read by the second matmul as a transposed operand: at batch 32
+    0.78x its time over 72 keys, 0.68x over 200. A mask is added, and the scale applied, by the scores' matmul itself
     (baddbmm), the mask laid out for every KV head (`_Group.sdpa_mask`: a view here, where one of one head would be
     copied out per call)."""
     if matmul_attention(q.shape[0], q.dtype, q.device) and keys.stride(-2) in (keys.shape[-1], 1):

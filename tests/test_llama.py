@@ -334,7 +334,7 @@ def test_stories_a_decoding_batch_outgrows_its_mirror_a_logarithmic_number_of_ti
     layers = len(stories_model.model.layers)
     # capacities (pages of 4): 16, then twice the longest at each outgrowing: 34 -> 36, 74 -> 76, 154 -> 156
     assert (gathers["n"] == 4 * layers) == doubling, gathers["n"] // layers
-    if doubling:  # the first mirror gathered from the pages (one read plan, every layer's), each later one from the last
+    if doubling:  # the first mirror gathered from the pages (one read plan for every layer), the others from the last
         assert paths == ["in order"] * 3 * layers and len(read) == 1
 
 
