@@ -44,9 +44,8 @@ def run_steps(mode: str) -> dict:
 def test_freed_memory_is_reused_without_page_faults():
     """Kept: a large block comes from malloc's heap, which stays as large once it is freed, and after a few cycles
     (glibc's memalign may take fresh memory for the first ones: cycles 1-3 here in 40 runs, cycle 4 once in CI) no
-    allocation faults a page in. The control, glibc's
-    defaults: the block is mapped on its own, to be unmapped on free (how many pages each later cycle faults then
-    varies with where the blocks land: 0-2 blocks' worth)."""
+    allocation faults a page in. The control, glibc's defaults: the block is mapped on its own, to be unmapped on
+    free (how many pages each later cycle faults then varies with where the blocks land: 0-2 blocks' worth)."""
     pages = BLOCK // 4096
     kept = run_steps("keep")
     assert kept["applied"]

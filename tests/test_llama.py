@@ -218,6 +218,15 @@ def record_copy_paths(monkeypatch) -> list[str]:
     return paths
 
 
+def record_page_reads(monkeypatch) -> list[int]:
+    """How many slots each read from the pages asked for (`kv_rows`), in order; a test clears it between forwards."""
+    read = []
+    kv_rows = attention.kv_rows
+    monkeypatch.setattr(attention, "kv_rows", lambda slots, page_size: read.append(slots.numel()) or
+                        kv_rows(slots, page_size))
+    return read
+
+
 def new_memory_is_nan(monkeypatch) -> None:
     """Every `new_empty` tensor starts filled with NaN: what a mirror's block holds unwritten must not leak."""
     new_empty = torch.Tensor.new_empty
@@ -312,10 +321,7 @@ def test_stories_a_decoding_batch_outgrows_its_mirror_a_logarithmic_number_of_ti
         monkeypatch.setattr(attention, "MATMUL_ATTENTION_MIN_SEQS", 1)
     new_memory_is_nan(monkeypatch)
     paths = record_copy_paths(monkeypatch)
-    read = []  # slots each read from the pages asked for
-    kv_rows = attention.kv_rows
-    monkeypatch.setattr(attention, "kv_rows", lambda slots, page_size: read.append(slots.numel()) or
-                        kv_rows(slots, page_size))
+    read = record_page_reads(monkeypatch)
     if not doubling:
         keep = attention.TorchAttention._keep_mirror
 
@@ -351,10 +357,7 @@ def test_stories_requests_that_end_and_begin_take_the_others_rows_from_the_last_
     if transposed:  # the batched-matmul path and its mirror layout, at these few sequences
         monkeypatch.setattr(attention, "MATMUL_ATTENTION_MIN_SEQS", 1)
     new_memory_is_nan(monkeypatch)
-    read = []  # slots each read from the pages asked for
-    kv_rows = attention.kv_rows
-    monkeypatch.setattr(attention, "kv_rows", lambda slots, page_size: read.append(slots.numel()) or
-                        kv_rows(slots, page_size))
+    read = record_page_reads(monkeypatch)
     paths = record_copy_paths(monkeypatch)
     page_size, layers = 4, len(stories_model.model.layers)
     pool = PagePool(64, page_size)
