@@ -410,7 +410,7 @@ class _Mirror:
         """A layer's first read: its keys and values in a new block, kept while MIRROR_BYTES allow (None past them),
         and whether some rows came from the mirror this one replaced (`inherit`): those lack this forward's tokens,
         which the caller writes; the rest are gathered from the cache, this forward's tokens in it already."""
-        batch, max_kv = group.read_shape
+        batch = group.read_shape[0]
         kv_heads, dim = flat.shape[1:]
         layer = flat.data_ptr()
         source = self.source
@@ -425,21 +425,11 @@ class _Mirror:
         if self.transposed is None:
             self.transposed = matmul_attention(batch, flat.dtype, flat.device)
         block = flat.new_empty(shape)
-        if old is not None and source.transposed == self.transposed:
+        copied = old is not None and source.transposed == self.transposed
+        if copied:
             self._copy_rows(block, source, old, flat, group)
-            copied = True
         else:
-            keys, values = self.views(block, max_kv)
-            gathered = flat.index_select(0, group.kv_read).view(2, batch, max_kv, kv_heads, dim).transpose(2, 3)
-            keys.copy_(gathered[0])
-            values.copy_(gathered[1])
-            # zeros past the gathered positions, where a masked key must never hold a NaN (0 * NaN would leak into
-            # SDPA); the gathered ones are the cache's, which starts zeroed
-            if self.transposed:
-                block.view(2, batch, kv_heads, dim, self.capacity)[..., max_kv:].zero_()
-            else:
-                block.view(2, batch, kv_heads, self.capacity, dim)[:, :, :, max_kv:].zero_()
-            copied = False
+            self._from_pages(block, flat, group)
         self.blocks[layer] = block
         self.bytes += nbytes
         return block, copied
@@ -451,7 +441,6 @@ class _Mirror:
         capacity, the inherited sequences leading the batch, as when requests end and new ones join at its end),
         "in order" (they lead the batch in their old rows: slices, as when a batch outgrows its mirror) or "by
         position" (indexed, position by position)."""
-        batch, max_kv = group.read_shape
         src = self.source_rows
         kept = (src >= 0).nonzero()[:, 0]
         fresh = (src < 0).nonzero()[:, 0]
@@ -471,19 +460,31 @@ class _Mirror:
                 new[:m, :, c:].zero_()
         else:
             path = "by position"
-            keys[kept, :, :c] = old_keys[src[kept]]
-            values[kept, :, :c] = old_values[src[kept]]
-            keys[kept, :, c:] = 0
-            values[kept, :, c:] = 0
+            for new, prior in ((keys, old_keys), (values, old_values)):
+                new[kept, :, :c] = prior[src[kept]]
+                new[kept, :, c:] = 0
         if fresh.numel():
-            slots = group.read_slots.view(batch, max_kv)[fresh].flatten()
-            gathered = flat.index_select(0, kv_rows(slots, group.page_size))
-            gathered = gathered.view(2, len(fresh), max_kv, *flat.shape[1:]).transpose(2, 3)
-            keys[fresh, :, :max_kv] = gathered[0]
-            values[fresh, :, :max_kv] = gathered[1]
-            keys[fresh, :, max_kv:] = 0
-            values[fresh, :, max_kv:] = 0
+            self._from_pages(block, flat, group, fresh)
         return path
+
+    def _from_pages(self, block: torch.Tensor, flat: torch.Tensor, group: "_Group",
+                    seqs: torch.Tensor | None = None) -> None:
+        """The rows of `seqs` (None: every sequence) in a new block, gathered from the cache (this forward's tokens in
+        it already), and zeros past them, where a masked key must never hold a NaN (0 * NaN would leak into SDPA);
+        the gathered positions are the cache's, which starts zeroed."""
+        batch, max_kv = group.read_shape
+        if seqs is None:
+            read = group.kv_read  # the group's read plan, shared by its layers
+        else:
+            read = kv_rows(group.read_slots.view(batch, max_kv)[seqs].flatten(), group.page_size)
+        gathered = flat.index_select(0, read).view(2, -1, max_kv, *flat.shape[1:]).transpose(2, 3)
+        for rows, new in zip(gathered, self.views(block, self.capacity)):  # keys, then values
+            if seqs is None:
+                new[:, :, :max_kv].copy_(rows)
+                new[:, :, max_kv:].zero_()
+            else:
+                new[seqs, :, :max_kv] = rows
+                new[seqs, :, max_kv:] = 0
 
 
 def _first_pages(meta: PageMetadata) -> torch.Tensor:

@@ -440,7 +440,6 @@ def test_a_step_reaches_the_other_ranks_whole_in_one_broadcast_when_small(tokens
     assert len(wire.sent) == 1 and receive_step(wire.end(1)) is None
 
 
-
 def test_shapes_that_do_not_split_name_the_field_and_the_choices():
     stories_like = LlamaConfig(vocab_size=512, hidden_size=64, intermediate_size=172, num_hidden_layers=1,
                                num_attention_heads=8, num_key_value_heads=4)
