@@ -16,12 +16,18 @@ The shift (record of L tokens t_0..t_{L-1}, stored target states h_0..h_{L-1}; h
     trained when       loss_mask[i+1+k]: the token fed in is an assistant token
 Step k at anchor i attends to the step-0 keys of anchors 0..i and to its own chain's keys of steps 1..k at anchor
 i, as the runtime's drafter does (mtp_train.ttt); a step's anchors are a prefix of the previous step's.
+
+With `loss.chain_share` below 1, steps 1..K-1 run over some of a micro batch's records only (`chain_records`: drawn
+at random, about that share of its tokens), step 0 over all: the later steps' loss is the same expectation from
+fewer samples, and a step costs about 1 + (K-1) * share step-0 forwards instead of K. The draw is per micro batch,
+so a data-parallel run trains the same records as one process but unrolls other ones.
 """
 
 from __future__ import annotations
 
+import random
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 
 import torch
@@ -43,6 +49,7 @@ class PackedBatch:
     seq_lens: list[int]
     record_ids: list[int]  # dataset indices, for logging the data order
     aux_hidden_states: torch.Tensor | None = None  # [T, n, H] the target layers an EAGLE-3 head fuses, in its order
+    chain_records: list[int] | None = None  # the records (indices into seq_lens) unrolled past step 0; None: all
 
     @property
     def num_tokens(self) -> int:
@@ -56,7 +63,7 @@ class PackedBatch:
     def to(self, device: torch.device, dtype: torch.dtype) -> "PackedBatch":
         aux = None if self.aux_hidden_states is None else self.aux_hidden_states.to(device, dtype)
         return PackedBatch(self.input_ids.to(device), self.hidden_states.to(device, dtype), self.loss_mask.to(device),
-                           self.seq_lens, self.record_ids, aux)
+                           self.seq_lens, self.record_ids, aux, self.chain_records)
 
 
 @dataclass
@@ -68,7 +75,11 @@ class UnrollStep:
     records: list[int]  # those records' indices in the batch
 
 
-def unroll_plan(seq_lens: list[int], num_steps: int, device: torch.device | str = "cpu") -> list[UnrollStep]:
+def unroll_plan(seq_lens: list[int], num_steps: int, device: torch.device | str = "cpu",
+                chain_records: list[int] | None = None) -> list[UnrollStep]:
+    """Each unroll step's index plan (the module docstring's shift); steps past 0 over chain_records alone (None:
+    every record)."""
+    chained = None if chain_records is None else set(chain_records)
     steps: list[UnrollStep] = []
     prev_offsets = [sum(seq_lens[:r]) for r in range(len(seq_lens))]  # step 0 reads h_i from the packed batch
     for k in range(num_steps):
@@ -76,7 +87,7 @@ def unroll_plan(seq_lens: list[int], num_steps: int, device: torch.device | str 
         out = 0
         for r, length in enumerate(seq_lens):
             n = length - 1 - k
-            if n <= 0:
+            if n <= 0 or (k > 0 and chained is not None and r not in chained):
                 offsets.append(None)
                 continue
             start = sum(seq_lens[:r])
@@ -99,7 +110,7 @@ def unroll_plan(seq_lens: list[int], num_steps: int, device: torch.device | str 
 def step_token_counts(batch: PackedBatch, num_steps: int) -> torch.Tensor:
     """[num_steps] trained positions per unroll step (the loss's normaliser, summed over ranks and micro batches)."""
     counts = torch.zeros(num_steps)
-    for k, step in enumerate(unroll_plan(batch.seq_lens, num_steps)):
+    for k, step in enumerate(unroll_plan(batch.seq_lens, num_steps, chain_records=batch.chain_records)):
         counts[k] = batch.loss_mask[step.token_index].sum()
     return counts
 
@@ -175,7 +186,28 @@ def pad_tokens(batch: PackedBatch, multiple: int) -> PackedBatch:
     pad = lambda t: torch.cat((t, t.new_zeros(extra, *t.shape[1:])))  # noqa: E731
     aux = None if batch.aux_hidden_states is None else pad(batch.aux_hidden_states)
     return PackedBatch(pad(batch.input_ids), pad(batch.hidden_states), pad(batch.loss_mask), batch.seq_lens + [extra],
-                       batch.record_ids, aux)
+                       batch.record_ids, aux, batch.chain_records)
+
+
+def draw_chain_records(batch: PackedBatch, share: float, rng: random.Random) -> PackedBatch:
+    """The batch with `chain_records`: its records in a random order, taken while they come closer to `share` of its
+    record tokens (at least one record: every unroll step runs on every rank, as ZeRO-3 gathers the head's weights at
+    each; never the padding sequence). share 1 keeps every record, as None does.
+
+    Drawn per micro batch, so each rank unrolls about `share` of its own tokens and no rank waits on a heavier one;
+    with a micro batch of one record nothing can be left out (the share acts on whole records)."""
+    if share >= 1:
+        return batch
+    records = list(range(len(batch.record_ids)))
+    rng.shuffle(records)
+    chosen, tokens, goal = [], 0, share * batch.record_tokens
+    for record in records:
+        more = tokens + batch.seq_lens[record]
+        if chosen and more - goal > goal - tokens:  # past the goal by more than it is short of it
+            break
+        chosen.append(record)
+        tokens = more
+    return replace(batch, chain_records=sorted(chosen))
 
 
 def deal_by_tokens(shares: list[list[int]], num_tokens: Callable[[int], int]) -> list[list[int]]:
@@ -200,11 +232,13 @@ def deal_by_tokens(shares: list[list[int]], num_tokens: Callable[[int], int]) ->
 
 class MicroBatches:
     """This rank's n-th training micro batch, for any n (epochs follow one another, each reshuffled): the ranks'
-    n-th round-robin shares of the epoch's order, dealt by tokens (`deal_by_tokens`)."""
+    n-th round-robin shares of the epoch's order, dealt by tokens (`deal_by_tokens`); its chain records
+    (`draw_chain_records`) drawn by a generator seeded with (seed, n, rank)."""
 
     def __init__(self, dataset: FeatureDataset, indices: list[int], micro_batch_size: int, seq_len: int, seed: int,
-                 rank: int, world_size: int, pad_to: int = 1) -> None:
+                 rank: int, world_size: int, pad_to: int = 1, chain_share: float = 1.0) -> None:
         self.dataset, self.indices, self.pad_to, self.rank = dataset, indices, pad_to, rank
+        self.seed, self.chain_share = seed, chain_share
         self.micro_batch_size, self.seq_len = micro_batch_size, seq_len
         self.samplers = [EpochSampler(len(indices), seed=seed, rank=r, world_size=world_size, drop_last=True)
                          for r in range(world_size)]
@@ -224,7 +258,8 @@ class MicroBatches:
         shares = [[self.indices[i] for i in order[j * size : (j + 1) * size]] for order in self._orders]
         tokens = lambda i: min(self.dataset.num_tokens(i), self.seq_len)  # noqa: E731 - as collate cuts them
         mine = deal_by_tokens(shares, tokens)[self.rank] if len(shares) > 1 else shares[0]
-        return collate(self.dataset, mine, self.seq_len, self.pad_to)
+        batch = collate(self.dataset, mine, self.seq_len, self.pad_to)
+        return draw_chain_records(batch, self.chain_share, random.Random(f"{self.seed}:{n}:{self.rank}"))
 
 
 def eval_batches(dataset: FeatureDataset, indices: list[int], micro_batch_size: int, seq_len: int, rank: int,

@@ -3,7 +3,9 @@
 What a user relies on: every rank's step holds the same records a one-process run of the same global batch would
 (so the runs train alike), each record once per epoch, the same records again after a resume; and the ranks' token
 counts close enough that no rank waits long for another. Control: the round-robin shares the dealing starts from
-are measurably less even on the same records.
+are measurably less even on the same records. With loss.chain_share below 1, the records unrolled past step 0 hold
+about that share of a batch's tokens, are drawn anew for every batch (each record's chance near the share), never
+include the padding, and come back the same after a resume.
 """
 
 from __future__ import annotations
@@ -13,7 +15,7 @@ import statistics
 
 import torch
 
-from mtp_train.data import MicroBatches, deal_by_tokens
+from mtp_train.data import MicroBatches, deal_by_tokens, step_token_counts, unroll_plan
 
 
 class LengthsOnly:
@@ -67,3 +69,34 @@ def test_ranks_read_the_one_process_records_once_an_epoch_and_again_after_a_resu
     assert resumed(30).record_ids == ranks[1](30).record_ids  # epoch 1, as the uninterrupted run reads it
     batch = ranks[0](5)
     assert batch.input_ids[: batch.record_tokens].unique().tolist() == sorted(batch.record_ids)
+
+
+def test_chain_records_hold_their_share_of_each_ranks_tokens_and_come_back_after_a_resume():
+    rng = random.Random(2)
+    dataset = LengthsOnly([rng.randint(75, 388) for _ in range(400)])  # the pipeline's story lengths
+    batches = lambda seed=3, rank=0, world=1, share=0.33: MicroBatches(  # noqa: E731
+        dataset, list(range(400)), 16, seq_len=512, seed=seed, rank=rank, world_size=world, pad_to=256,
+        chain_share=share)
+    shares, picked = [], {}
+    for rank, world in ((0, 1), (0, 2), (1, 2)):
+        mine = batches(rank=rank, world=world)
+        for n in range(60):
+            batch = mine(n)
+            pad = len(batch.record_ids)  # the padding sequence's index in seq_lens
+            assert batch.chain_records and pad not in batch.chain_records
+            shares.append(sum(batch.seq_lens[r] for r in batch.chain_records) / batch.record_tokens)
+            for r, record in enumerate(batch.record_ids):
+                picked.setdefault(record, []).append(r in batch.chain_records)
+            # steps 1.. run over the chain records alone, and the loss's normalisers count just those positions
+            steps = unroll_plan(batch.seq_lens, 4, chain_records=batch.chain_records)
+            assert steps[0].records == list(range(len(batch.seq_lens))) and steps[1].records == batch.chain_records
+            assert step_token_counts(batch, 4)[1] == sum(batch.seq_lens[r] - 2 for r in batch.chain_records)
+    # every rank unrolls about the share of its own tokens (half a record off at most: no rank waits long)
+    assert abs(statistics.mean(shares) - 0.33) < 0.015 and max(shares) < 0.45
+    often = [sum(p) / len(p) for p in picked.values()]
+    assert abs(statistics.mean(often) - 0.33) < 0.04  # every record's chance near the share, not a fixed subset
+    one = batches()
+    assert batches()(57).chain_records == one(57).chain_records  # a resumed run draws the same
+    assert batches(seed=4)(57).chain_records != one(57).chain_records
+    assert len(batches(share=0.0)(0).chain_records) == 1  # at least one record: every unroll step runs on every rank
+    assert batches(share=1.0)(0).chain_records is None  # every record, as before

@@ -8,6 +8,9 @@
   reading the head's own state). The trainer's per-step conditional top-1 (UnrolledHead's stats) equals the
   runtime's conditional acceptance within 1 point, and its logits equal the drafter's where the chain is reached.
   Control: the previous pattern (step k attends only to step k's own keys) gives other logits there.
+- loss.chain_share: a batch whose later steps run over some records (chain_records) trains those records' later
+  steps exactly as a batch of them alone would, and every record's step 0 as the whole batch does. Control: the
+  batch unrolled over every record gives other later-step figures.
 """
 
 from __future__ import annotations
@@ -116,6 +119,36 @@ def test_padding_a_batch_to_a_token_multiple_changes_no_loss_stat_or_gradient(fi
     trained = PackedBatch(padded.input_ids, padded.hidden_states, torch.ones_like(padded.loss_mask), padded.seq_lens,
                           padded.record_ids, padded.aux_hidden_states)  # control: the padding's tokens trained
     assert not torch.allclose(loss_stats_grads(trained)[0], loss, rtol=1e-3)
+    head.zero_grad(set_to_none=True)
+    head.requires_grad_(False)
+
+
+def test_chain_records_train_their_later_steps_as_alone_and_every_records_step_0(fitted):
+    _, head, batch, _, _ = fitted
+    head.requires_grad_(True)  # the fixture's head is frozen; given back so below
+    cut = 50  # the text as two records: 50 and 70 tokens
+    records = lambda b, chain: PackedBatch(b.input_ids, b.hidden_states, b.loss_mask, [cut, b.num_tokens - cut],  # noqa: E731
+                                           [0, 1], b.aux_hidden_states, chain)
+    second = PackedBatch(batch.input_ids[cut:], batch.hidden_states[cut:], batch.loss_mask[cut:], [batch.num_tokens - cut],
+                         [1], None if batch.aux_hidden_states is None else batch.aux_hidden_states[cut:])
+    counts = torch.ones(K)  # one normaliser for all: the losses' terms compare one to one
+
+    def loss_stats_grads(b: PackedBatch, steps: int):
+        head.zero_grad()
+        loss, stats = UnrolledHead(head, torch.ones(64), 1e-5, steps, LossWeights(ce=1.0))(b, counts[:steps])
+        loss.backward()
+        return loss.detach(), stats, torch.cat([p.grad.flatten() for p in head.parameters() if p.requires_grad])
+
+    chained, chained_stats, chained_grads = loss_stats_grads(records(batch, [1]), K)
+    alone, alone_stats, alone_grads = loss_stats_grads(second, K)
+    both_0, both_0_stats, both_0_grads = loss_stats_grads(records(batch, None), 1)
+    alone_0, _, alone_0_grads = loss_stats_grads(second, 1)
+    torch.testing.assert_close(chained_stats[1:], alone_stats[1:])  # later steps: the second record's alone
+    torch.testing.assert_close(chained_stats[0], both_0_stats[0])  # step 0: both records
+    torch.testing.assert_close(chained, alone - alone_0 + both_0)
+    torch.testing.assert_close(chained_grads, alone_grads - alone_0_grads + both_0_grads, rtol=1e-4, atol=1e-5)
+    _, every_stats, _ = loss_stats_grads(records(batch, None), K)  # control: both records' later steps
+    assert not torch.allclose(every_stats[1:], alone_stats[1:], rtol=1e-3)
     head.zero_grad(set_to_none=True)
     head.requires_grad_(False)
 
