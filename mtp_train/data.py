@@ -189,10 +189,11 @@ def pad_tokens(batch: PackedBatch, multiple: int) -> PackedBatch:
                        batch.record_ids, aux, batch.chain_records)
 
 
-def draw_chain_records(batch: PackedBatch, share: float, rng: random.Random) -> PackedBatch:
+def draw_chain_records(batch: PackedBatch, share: float, rng: random.Random, num_steps: int) -> PackedBatch:
     """The batch with `chain_records`: its records in a random order, taken while they come closer to `share` of its
-    record tokens (at least one record: every unroll step runs on every rank, as ZeRO-3 gathers the head's weights at
-    each; never the padding sequence). share 1 keeps every record, as None does.
+    record tokens; never the padding sequence, and at least one record long enough for all num_steps unroll steps
+    (where the batch has one): every rank runs every step, as ZeRO-3 gathers the head's weights at each. share 1
+    keeps every record, as None does.
 
     Drawn per micro batch, so each rank unrolls about `share` of its own tokens and no rank waits on a heavier one;
     with a micro batch of one record nothing can be left out (the share acts on whole records)."""
@@ -200,6 +201,7 @@ def draw_chain_records(batch: PackedBatch, share: float, rng: random.Random) -> 
         return batch
     records = list(range(len(batch.record_ids)))
     rng.shuffle(records)
+    records.sort(key=lambda r: batch.seq_lens[r] <= num_steps)  # stable: one that reaches every step comes first
     chosen, tokens, goal = [], 0, share * batch.record_tokens
     for record in records:
         more = tokens + batch.seq_lens[record]
@@ -236,9 +238,9 @@ class MicroBatches:
     (`draw_chain_records`) drawn by a generator seeded with (seed, n, rank)."""
 
     def __init__(self, dataset: FeatureDataset, indices: list[int], micro_batch_size: int, seq_len: int, seed: int,
-                 rank: int, world_size: int, pad_to: int = 1, chain_share: float = 1.0) -> None:
+                 rank: int, world_size: int, pad_to: int = 1, chain_share: float = 1.0, num_steps: int = 1) -> None:
         self.dataset, self.indices, self.pad_to, self.rank = dataset, indices, pad_to, rank
-        self.seed, self.chain_share = seed, chain_share
+        self.seed, self.chain_share, self.num_steps = seed, chain_share, num_steps
         self.micro_batch_size, self.seq_len = micro_batch_size, seq_len
         self.samplers = [EpochSampler(len(indices), seed=seed, rank=r, world_size=world_size, drop_last=True)
                          for r in range(world_size)]
@@ -259,7 +261,8 @@ class MicroBatches:
         tokens = lambda i: min(self.dataset.num_tokens(i), self.seq_len)  # noqa: E731 - as collate cuts them
         mine = deal_by_tokens(shares, tokens)[self.rank] if len(shares) > 1 else shares[0]
         batch = collate(self.dataset, mine, self.seq_len, self.pad_to)
-        return draw_chain_records(batch, self.chain_share, random.Random(f"{self.seed}:{n}:{self.rank}"))
+        return draw_chain_records(batch, self.chain_share, random.Random(f"{self.seed}:{n}:{self.rank}"),
+                                  self.num_steps)
 
 
 def eval_batches(dataset: FeatureDataset, indices: list[int], micro_batch_size: int, seq_len: int, rank: int,

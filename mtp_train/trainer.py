@@ -86,7 +86,8 @@ class Trainer:
         train_ids, eval_ids = split_records(len(dataset), cfg.eval_records, cfg.seed)
         self.draft_vocab = self.choose_draft_vocab(dataset, train_ids, eval_ids)
         self.micro_batches = MicroBatches(dataset, train_ids, t.micro_batch_size, t.seq_len, cfg.seed, self.rank,
-                                          self.world, t.pad_tokens_to, cfg.loss.chain_share)
+                                          self.world, t.pad_tokens_to, cfg.loss.chain_share,
+                                          cfg.loss.unroll_steps)
         self.eval_set = eval_batches(dataset, eval_ids, t.micro_batch_size, t.seq_len, self.rank, self.world)
         self.identity = self.run_identity(dataset.manifest)
 

@@ -99,4 +99,9 @@ def test_chain_records_hold_their_share_of_each_ranks_tokens_and_come_back_after
     assert batches()(57).chain_records == one(57).chain_records  # a resumed run draws the same
     assert batches(seed=4)(57).chain_records != one(57).chain_records
     assert len(batches(share=0.0)(0).chain_records) == 1  # at least one record: every unroll step runs on every rank
+    short = LengthsOnly([4] * 15 + [40])  # a record of 4 tokens stops after 3 steps (anchors 0..2-k)
+    for n in range(8):
+        batch = MicroBatches(short, list(range(16)), 16, seq_len=512, seed=n, rank=0, world_size=1,
+                             chain_share=0.05, num_steps=4)(0)
+        assert len(unroll_plan(batch.seq_lens, 4, chain_records=batch.chain_records)) == 4
     assert batches(share=1.0)(0).chain_records is None  # every record, as before
