@@ -22,7 +22,7 @@ class LossConfig:
     tv: float = field(default=0.0, metadata=at_least(0.0))
     unroll_steps: int = field(default=4, metadata=at_least(1, max=16))
     step_decay: float = field(default=0.8, metadata=at_least(0.0, max=1.0))
-    # steps 1..K-1 train on each record with this probability (about this share of the tokens); step 0 on all
+    # steps 1..K-1 train on a random window of this share of each record's anchors; step 0 on all of them
     chain_share: float = field(default=1.0, metadata=at_least(0.0, max=1.0))
     chunk_tokens: int = field(default=512, metadata=at_least(1))
 

@@ -17,10 +17,11 @@ The shift (record of L tokens t_0..t_{L-1}, stored target states h_0..h_{L-1}; h
 Step k at anchor i attends to the step-0 keys of anchors 0..i and to its own chain's keys of steps 1..k at anchor
 i, as the runtime's drafter does (mtp_train.ttt); a step's anchors are a prefix of the previous step's.
 
-With `loss.chain_share` below 1, steps 1..K-1 run over some of a micro batch's records only (`chain_records`: drawn
-at random, about that share of its tokens), step 0 over all: the later steps' loss is the same expectation from
-fewer samples, and a step costs about 1 + (K-1) * share step-0 forwards instead of K. The draw is per micro batch,
-so a data-parallel run trains the same records as one process but unrolls other ones.
+With `loss.chain_share` below 1, steps 1..K-1 run over a window of each record's anchors (`chain_windows`: that share
+of the anchors that reach every step, from a random anchor on, wrapping around to anchor 0), step 0 over all: every
+anchor is unrolled with that probability, so the later steps' loss is the same expectation from fewer samples, and
+a step costs about 1 + (K-1) * share step-0 forwards instead of K, on every record and so on every rank. The
+window's queries see the step-0 keys of all anchors before theirs, as in the full unroll (mtp_train.ttt).
 """
 
 from __future__ import annotations
@@ -49,7 +50,9 @@ class PackedBatch:
     seq_lens: list[int]
     record_ids: list[int]  # dataset indices, for logging the data order
     aux_hidden_states: torch.Tensor | None = None  # [T, n, H] the target layers an EAGLE-3 head fuses, in its order
-    chain_records: list[int] | None = None  # the records (indices into seq_lens) unrolled past step 0; None: all
+    # per sequence (seq_lens' order): the anchors unrolled past step 0, (first, count) around 0..n-1 where n anchors
+    # reach every step (`window_segments`); None: every anchor
+    chain_windows: list[tuple[int, int]] | None = None
 
     @property
     def num_tokens(self) -> int:
@@ -63,7 +66,7 @@ class PackedBatch:
     def to(self, device: torch.device, dtype: torch.dtype) -> "PackedBatch":
         aux = None if self.aux_hidden_states is None else self.aux_hidden_states.to(device, dtype)
         return PackedBatch(self.input_ids.to(device), self.hidden_states.to(device, dtype), self.loss_mask.to(device),
-                           self.seq_lens, self.record_ids, aux, self.chain_records)
+                           self.seq_lens, self.record_ids, aux, self.chain_windows)
 
 
 @dataclass
@@ -71,46 +74,64 @@ class UnrollStep:
     token_index: torch.Tensor  # [T_k] into the packed batch: t_{i+1+k}, h_{i+1+k}, loss_mask[i+1+k]
     prev_index: torch.Tensor  # [T_k] into the previous step's hidden states (step 0: the packed h_i)
     positions: torch.Tensor  # [T_k] i + k
-    seq_lens: list[int]  # per record with positions left at this step
-    records: list[int]  # those records' indices in the batch
+    seq_lens: list[int]  # per segment (a run of consecutive anchors of one record) with positions at this step
+    records: list[int]  # each segment's record: its index in the batch
+    starts: list[int]  # each segment's first anchor
+
+
+def window_segments(window: tuple[int, int], n: int) -> list[tuple[int, int]]:
+    """A window (first anchor, count) around anchors 0..n-1 as runs [start, end): one, or two where it wraps."""
+    first, count = window[0], min(window[1], n)
+    if count <= 0:
+        return []
+    if first + count <= n:
+        return [(first, first + count)]
+    return [(first, n), (0, first + count - n)]
 
 
 def unroll_plan(seq_lens: list[int], num_steps: int, device: torch.device | str = "cpu",
-                chain_records: list[int] | None = None) -> list[UnrollStep]:
-    """Each unroll step's index plan (the module docstring's shift); steps past 0 over chain_records alone (None:
-    every record)."""
-    chained = None if chain_records is None else set(chain_records)
+                chain_windows: list[tuple[int, int]] | None = None) -> list[UnrollStep]:
+    """Each unroll step's index plan (the module docstring's shift): a step's rows are segments of consecutive
+    anchors, one per record (anchors 0..L-2-k) or, past step 0 with chain_windows, its window's runs."""
     steps: list[UnrollStep] = []
-    prev_offsets = [sum(seq_lens[:r]) for r in range(len(seq_lens))]  # step 0 reads h_i from the packed batch
+    starts = [sum(seq_lens[:r]) for r in range(len(seq_lens))]
+    prev_rows = {(r, 0): starts[r] for r in range(len(seq_lens))}  # step 0 reads h_i from the packed batch
     for k in range(num_steps):
-        token_index, prev_index, positions, lens, offsets, records = [], [], [], [], [], []
+        token_index, prev_index, positions, lens, records, firsts = [], [], [], [], [], []
+        rows: dict[tuple[int, int], int] = {}  # (record, first anchor) -> the segment's first row in this step
         out = 0
         for r, length in enumerate(seq_lens):
             n = length - 1 - k
-            if n <= 0 or (k > 0 and chained is not None and r not in chained):
-                offsets.append(None)
+            if n <= 0:
                 continue
-            start = sum(seq_lens[:r])
-            i = torch.arange(n)
-            token_index.append(start + i + 1 + k)
-            prev_index.append(prev_offsets[r] + i)
-            positions.append(i + k)
-            lens.append(n)
-            records.append(r)
-            offsets.append(out)
-            out += n
+            if k == 0 or chain_windows is None:
+                segments = [(0, n)]
+            else:  # a window lies within the anchors that reach every step: none drops out
+                segments = window_segments(chain_windows[r], length - num_steps)
+            for first, end in segments:
+                i = torch.arange(first, end)
+                token_index.append(starts[r] + i + 1 + k)
+                # step 1 of a window reads step 0's whole-record segment; later steps the window's own segment
+                prev = prev_rows[(r, first)] - first if (r, first) in prev_rows else prev_rows[(r, 0)]
+                prev_index.append(prev + i)
+                positions.append(i + k)
+                rows[(r, first)] = out
+                out += end - first
+                lens.append(end - first)
+                records.append(r)
+                firsts.append(first)
         if not lens:
             break
         steps.append(UnrollStep(torch.cat(token_index).to(device), torch.cat(prev_index).to(device),
-                                torch.cat(positions).to(device), lens, records))
-        prev_offsets = offsets
+                                torch.cat(positions).to(device), lens, records, firsts))
+        prev_rows = rows
     return steps
 
 
 def step_token_counts(batch: PackedBatch, num_steps: int) -> torch.Tensor:
     """[num_steps] trained positions per unroll step (the loss's normaliser, summed over ranks and micro batches)."""
     counts = torch.zeros(num_steps)
-    for k, step in enumerate(unroll_plan(batch.seq_lens, num_steps, chain_records=batch.chain_records)):
+    for k, step in enumerate(unroll_plan(batch.seq_lens, num_steps, chain_windows=batch.chain_windows)):
         counts[k] = batch.loss_mask[step.token_index].sum()
     return counts
 
@@ -186,30 +207,23 @@ def pad_tokens(batch: PackedBatch, multiple: int) -> PackedBatch:
     pad = lambda t: torch.cat((t, t.new_zeros(extra, *t.shape[1:])))  # noqa: E731
     aux = None if batch.aux_hidden_states is None else pad(batch.aux_hidden_states)
     return PackedBatch(pad(batch.input_ids), pad(batch.hidden_states), pad(batch.loss_mask), batch.seq_lens + [extra],
-                       batch.record_ids, aux, batch.chain_records)
+                       batch.record_ids, aux, batch.chain_windows + [(0, 0)] if batch.chain_windows else None)
 
 
-def draw_chain_records(batch: PackedBatch, share: float, rng: random.Random, num_steps: int) -> PackedBatch:
-    """The batch with `chain_records`: its records in a random order, taken while they come closer to `share` of its
-    record tokens; never the padding sequence, and at least one record long enough for all num_steps unroll steps
-    (where the batch has one): every rank runs every step, as ZeRO-3 gathers the head's weights at each. share 1
-    keeps every record, as None does.
-
-    Drawn per micro batch, so each rank unrolls about `share` of its own tokens and no rank waits on a heavier one;
-    with a micro batch of one record nothing can be left out (the share acts on whole records)."""
+def draw_chain_windows(batch: PackedBatch, share: float, rng: random.Random, num_steps: int) -> PackedBatch:
+    """The batch with `chain_windows`: for each record whose n = L - num_steps anchors reach every step, round(share *
+    n) of them (at least one) from a random first anchor, around; none of the padding sequence. Every anchor is in
+    with probability about `share`, and every record unrolls that share, so every rank does. share 1 keeps None."""
     if share >= 1:
         return batch
-    records = list(range(len(batch.record_ids)))
-    rng.shuffle(records)
-    records.sort(key=lambda r: batch.seq_lens[r] <= num_steps)  # stable: one that reaches every step comes first
-    chosen, tokens, goal = [], 0, share * batch.record_tokens
-    for record in records:
-        more = tokens + batch.seq_lens[record]
-        if chosen and more - goal > goal - tokens:  # past the goal by more than it is short of it
-            break
-        chosen.append(record)
-        tokens = more
-    return replace(batch, chain_records=sorted(chosen))
+    windows = []
+    for r, length in enumerate(batch.seq_lens):
+        n = length - num_steps
+        if r >= len(batch.record_ids) or n <= 0:
+            windows.append((0, 0))
+        else:
+            windows.append((rng.randrange(n), max(1, round(share * n))))
+    return replace(batch, chain_windows=windows)
 
 
 def deal_by_tokens(shares: list[list[int]], num_tokens: Callable[[int], int]) -> list[list[int]]:
@@ -234,8 +248,8 @@ def deal_by_tokens(shares: list[list[int]], num_tokens: Callable[[int], int]) ->
 
 class MicroBatches:
     """This rank's n-th training micro batch, for any n (epochs follow one another, each reshuffled): the ranks'
-    n-th round-robin shares of the epoch's order, dealt by tokens (`deal_by_tokens`); its chain records
-    (`draw_chain_records`) drawn by a generator seeded with (seed, n, rank)."""
+    n-th round-robin shares of the epoch's order, dealt by tokens (`deal_by_tokens`); its chain windows
+    (`draw_chain_windows`) drawn by a generator seeded with (seed, n, rank)."""
 
     def __init__(self, dataset: FeatureDataset, indices: list[int], micro_batch_size: int, seq_len: int, seed: int,
                  rank: int, world_size: int, pad_to: int = 1, chain_share: float = 1.0, num_steps: int = 1) -> None:
@@ -261,7 +275,7 @@ class MicroBatches:
         tokens = lambda i: min(self.dataset.num_tokens(i), self.seq_len)  # noqa: E731 - as collate cuts them
         mine = deal_by_tokens(shares, tokens)[self.rank] if len(shares) > 1 else shares[0]
         batch = collate(self.dataset, mine, self.seq_len, self.pad_to)
-        return draw_chain_records(batch, self.chain_share, random.Random(f"{self.seed}:{n}:{self.rank}"),
+        return draw_chain_windows(batch, self.chain_share, random.Random(f"{self.seed}:{n}:{self.rank}"),
                                   self.num_steps)
 
 

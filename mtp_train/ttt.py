@@ -31,18 +31,21 @@ from __future__ import annotations
 
 import torch
 import torch.nn.functional as F
+from torch.nn.attention.bias import causal_lower_right
 
 PAD_DIM = 16  # head dims padded to a multiple of this: zeros change nothing, and fused kernels (CPU flash: 1.2-2.8x
 # faster at 16 than at stories260K's 8; GPU kernels want multiples of 8) run their fast paths
 
 
 def chain_attention(q: torch.Tensor, k0: torch.Tensor, v0: torch.Tensor, chain_k: torch.Tensor, chain_v: torch.Tensor,
-                    scale: float) -> torch.Tensor:
-    """One record at one unroll step.
+                    scale: float, first: int = 0) -> torch.Tensor:
+    """One run of anchors of a record at one unroll step.
 
-    q [H, n, Dk] the step's queries at anchors 0..n-1; k0 [Hkv, n0, Dk], v0 [Hkv, n0, Dv] the step-0 keys and values
-    of anchors 0..n0-1 (n <= n0); chain_k [s, Hkv, n, Dk], chain_v [s, Hkv, n, Dv] the keys and values steps 1..s
-    (this one included) wrote at anchors 0..n-1. Returns [H, n, Dv]; s = 0 is plain causal attention (n = n0).
+    q [H, n, Dk] the step's queries at anchors first..first+n-1; k0 [Hkv, n0, Dk], v0 [Hkv, n0, Dv] the step-0 keys
+    and values of anchors 0..n0-1 (first + n <= n0); chain_k [s, Hkv, n, Dk], chain_v [s, Hkv, n, Dv] the keys and
+    values steps 1..s (this one included) wrote at the query anchors. Returns [H, n, Dv]; s = 0 is plain causal
+    attention (first = 0, n = n0). A run that starts past anchor 0 (`loss.chain_share`'s windows) sees every earlier
+    anchor's key: causal aligned at the bottom right, a mask SDPA builds for it.
     """
     s = chain_k.shape[0]
     if s == 0:
@@ -60,13 +63,16 @@ def chain_attention(q: torch.Tensor, k0: torch.Tensor, v0: torch.Tensor, chain_k
     scores = (q[None] * ck).sum(-1).permute(1, 2, 0)  # [H, n, s] q_j . K_c[j], unscaled: SDPA scales
     pad_k, pad_v = -(dk + s) % PAD_DIM, -(dv + s) % PAD_DIM
     queries = F.pad(torch.cat((q, scores), dim=-1), (0, pad_k, s, 0))  # [H, s + n, Dk + s + pad]: s dummy rows first
+    if first:  # the keys up to the last query's anchor: query row s + i then sees keys up to s + first + i
+        k0, v0 = k0[:, : first + n], v0[:, : first + n]
     eye = torch.eye(s, dtype=q.dtype, device=q.device).expand(kv_heads, s, s)
     keys = F.pad(torch.cat((torch.cat((k0.new_zeros(kv_heads, s, dk), eye), -1),
                             F.pad(k0, (0, s))), dim=1), (0, pad_k))  # [Hkv, s + n0, Dk + s + pad]
     values = F.pad(torch.cat((torch.cat((v0.new_zeros(kv_heads, s, dv), eye), -1),
                               F.pad(v0, (0, s))), dim=1), (0, pad_v))  # [Hkv, s + n0, Dv + s + pad]
-    out = F.scaled_dot_product_attention(queries[None], keys[None], values[None], is_causal=True, scale=scale,
-                                         enable_gqa=True)[0, :, s:]  # [H, n, Dv + s + pad]
+    causal = {"attn_mask": causal_lower_right(s + n, keys.shape[1])} if first else {"is_causal": True}
+    out = F.scaled_dot_product_attention(queries[None], keys[None], values[None], scale=scale, enable_gqa=True,
+                                         **causal)[0, :, s:]  # [H, n, Dv + s + pad]
     weights = out[..., dv : dv + s]  # [H, n, s] the softmax weight of each chain key
     return out[..., :dv] + torch.einsum("hnc,chnd->hnd", weights, cv)
 
@@ -74,8 +80,9 @@ def chain_attention(q: torch.Tensor, k0: torch.Tensor, v0: torch.Tensor, chain_k
 class ChainAttention:
     """infer's attention interface over the unroll of one packed batch (module docstring); no KV cache.
 
-    Call `begin_step(records, seq_lens)` before each unroll step: the records (indices into the batch) that still
-    have positions and how many (anchors 0..n-1, a prefix of the previous step's). One attention layer per head.
+    Call `begin_step(records, seq_lens, starts)` before each unroll step: its runs of consecutive anchors (the step's
+    rows, `mtp_train.data.UnrollStep`), each run's record (index into the batch), length and first anchor. Step 0 runs
+    over whole records; a later step's runs keep their first anchor and lose anchors from their end only. One attention layer per head.
     Attention runs in `dtype` (the training dtype) even under the trainer's bf16 autocast (`trainer.autocast`):
     on CPU, bf16 SDPA is slower than fp32 (stories260K shapes: backward 1.7x), unlike the head's matmuls.
     """
@@ -87,12 +94,14 @@ class ChainAttention:
         self.step = -1
         self.records: list[int] = []
         self.seq_lens: list[int] = []
+        self.starts: list[int] = []
         self.k0: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}  # record -> step-0 ([Hkv, n0, Dk], [Hkv, n0, Dv])
-        self.chain: dict[int, list[tuple[torch.Tensor, torch.Tensor]]] = {}  # record -> steps 1.. (k, v)
+        # (record, first anchor) -> steps 1.. (k, v) of that run
+        self.chain: dict[tuple[int, int], list[tuple[torch.Tensor, torch.Tensor]]] = {}
 
-    def begin_step(self, records: list[int], seq_lens: list[int]) -> None:
+    def begin_step(self, records: list[int], seq_lens: list[int], starts: list[int]) -> None:
         self.step += 1
-        self.records, self.seq_lens = records, seq_lens
+        self.records, self.seq_lens, self.starts = records, seq_lens, starts
 
     def plan(self, meta) -> None:
         raise TypeError("ChainAttention has no paged plan: it serves the trainer's unroll")
@@ -104,20 +113,19 @@ class ChainAttention:
 
     def _attend_records(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float) -> torch.Tensor:
         outs = []
-        for record, q_r, k_r, v_r in zip(self.records, q.split(self.seq_lens), k.split(self.seq_lens),
-                                         v.split(self.seq_lens)):
+        for record, first, q_r, k_r, v_r in zip(self.records, self.starts, q.split(self.seq_lens),
+                                                k.split(self.seq_lens), v.split(self.seq_lens)):
             q_r, k_r, v_r = q_r.transpose(0, 1), k_r.transpose(0, 1), v_r.transpose(0, 1)  # [heads, n, D]
             n = q_r.shape[1]
             if self.step == 0:
                 self.k0[record] = (k_r, v_r)
-                self.chain[record] = []
             else:
-                self.chain[record].append((k_r, v_r))
+                self.chain.setdefault((record, first), []).append((k_r, v_r))
             k0, v0 = self.k0[record]
-            steps = self.chain[record]
+            steps = self.chain.get((record, first), [])
             chain_k = torch.stack([c[0][:, :n] for c in steps]) if steps else k0.new_zeros(0, *k0.shape)
             chain_v = torch.stack([c[1][:, :n] for c in steps]) if steps else v0.new_zeros(0, *v0.shape)
-            outs.append(chain_attention(q_r, k0, v0, chain_k, chain_v, scale).transpose(0, 1))
+            outs.append(chain_attention(q_r, k0, v0, chain_k, chain_v, scale, first).transpose(0, 1))
         return torch.cat(outs)
 
     def attend(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, kv_cache: None, scale: float) -> torch.Tensor:

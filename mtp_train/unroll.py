@@ -63,8 +63,8 @@ def unrolled_steps(head: DraftHead, batch: PackedBatch, num_steps: int,
     mixed = torch.autocast(device.type, dtype=torch.bfloat16, enabled=autocast)
     with mixed:
         hidden = head.features(batch.hidden_states, batch.aux_hidden_states)  # step 0 reads the target's features
-    for step in unroll_plan(batch.seq_lens, num_steps, device, batch.chain_records):
-        attn.begin_step(step.records, step.seq_lens)
+    for step in unroll_plan(batch.seq_lens, num_steps, device, batch.chain_windows):
+        attn.begin_step(step.records, step.seq_lens, step.starts)
         with mixed:
             out = head(batch.input_ids[step.token_index], step.positions, attn, kv_caches, no_logits,
                        hidden_states=hidden[step.prev_index])

@@ -71,37 +71,41 @@ def test_ranks_read_the_one_process_records_once_an_epoch_and_again_after_a_resu
     assert batch.input_ids[: batch.record_tokens].unique().tolist() == sorted(batch.record_ids)
 
 
-def test_chain_records_hold_their_share_of_each_ranks_tokens_and_come_back_after_a_resume():
+def test_chain_windows_unroll_each_anchor_with_the_share_and_come_back_after_a_resume():
     rng = random.Random(2)
-    dataset = LengthsOnly([rng.randint(75, 388) for _ in range(400)])  # the pipeline's story lengths
-    batches = lambda seed=3, rank=0, world=1, share=0.33: MicroBatches(  # noqa: E731
-        dataset, list(range(400)), 16, seq_len=512, seed=seed, rank=rank, world_size=world, pad_to=256,
-        chain_share=share)
-    shares, picked = [], {}
+    dataset = LengthsOnly([rng.randint(75, 388) for _ in range(400)] + [3, 4, 5])  # the pipeline's stories, and short
+    batches = lambda seed=3, rank=0, world=1, share=0.3: MicroBatches(  # noqa: E731
+        dataset, list(range(403)), 16, seq_len=512, seed=seed, rank=rank, world_size=world, pad_to=256,
+        chain_share=share, num_steps=4)
+    picked = {}  # (record, anchor) -> times in a window, per record the times it was drawn
+    drawn = {}
     for rank, world in ((0, 1), (0, 2), (1, 2)):
         mine = batches(rank=rank, world=world)
-        for n in range(60):
+        for n in range(80):
             batch = mine(n)
-            pad = len(batch.record_ids)  # the padding sequence's index in seq_lens
-            assert batch.chain_records and pad not in batch.chain_records
-            shares.append(sum(batch.seq_lens[r] for r in batch.chain_records) / batch.record_tokens)
-            for r, record in enumerate(batch.record_ids):
-                picked.setdefault(record, []).append(r in batch.chain_records)
-            # steps 1.. run over the chain records alone, and the loss's normalisers count just those positions
-            steps = unroll_plan(batch.seq_lens, 4, chain_records=batch.chain_records)
-            assert steps[0].records == list(range(len(batch.seq_lens))) and steps[1].records == batch.chain_records
-            assert step_token_counts(batch, 4)[1] == sum(batch.seq_lens[r] - 2 for r in batch.chain_records)
-    # every rank unrolls about the share of its own tokens (half a record off at most: no rank waits long)
-    assert abs(statistics.mean(shares) - 0.33) < 0.015 and max(shares) < 0.45
-    often = [sum(p) / len(p) for p in picked.values()]
-    assert abs(statistics.mean(often) - 0.33) < 0.04  # every record's chance near the share, not a fixed subset
+            assert len(batch.chain_windows) == len(batch.seq_lens)
+            unrolled = 0
+            for r, (length, (first, count)) in enumerate(zip(batch.seq_lens, batch.chain_windows)):
+                reach = length - 4  # anchors that reach every step
+                if r >= len(batch.record_ids) or reach <= 0:  # the padding, and records too short
+                    assert count == 0
+                    continue
+                assert count == max(1, round(0.3 * reach)) and 0 <= first < reach  # every record its share
+                unrolled += count
+                record = batch.record_ids[r]
+                drawn[record] = drawn.get(record, 0) + 1
+                for a in range(first, first + count):
+                    picked[(record, a % reach)] = picked.get((record, a % reach), 0) + 1
+            steps = unroll_plan(batch.seq_lens, 4, chain_windows=batch.chain_windows)
+            assert len(steps) == 4 and all(sum(step.seq_lens) == unrolled for step in steps[1:])
+            assert step_token_counts(batch, 4)[1] == unrolled  # the loss's normalisers count just those positions
+    # every anchor, first and last included, is unrolled about as often as the share says
+    edges, middles = [], []
+    for (record, a), times in picked.items():
+        reach = dataset.lengths[record] - 4
+        (edges if a in (0, reach - 1) else middles).append(times / drawn[record])
+    assert abs(statistics.mean(edges) - 0.3) < 0.05 and abs(statistics.mean(middles) - 0.3) < 0.02
     one = batches()
-    assert batches()(57).chain_records == one(57).chain_records  # a resumed run draws the same
-    assert batches(seed=4)(57).chain_records != one(57).chain_records
-    assert len(batches(share=0.0)(0).chain_records) == 1  # at least one record: every unroll step runs on every rank
-    short = LengthsOnly([4] * 15 + [40])  # a record of 4 tokens stops after 3 steps (anchors 0..2-k)
-    for n in range(8):
-        batch = MicroBatches(short, list(range(16)), 16, seq_len=512, seed=n, rank=0, world_size=1,
-                             chain_share=0.05, num_steps=4)(0)
-        assert len(unroll_plan(batch.seq_lens, 4, chain_records=batch.chain_records)) == 4
-    assert batches(share=1.0)(0).chain_records is None  # every record, as before
+    assert batches()(57).chain_windows == one(57).chain_windows  # a resumed run draws the same
+    assert batches(seed=4)(57).chain_windows != one(57).chain_windows
+    assert batches(share=1.0)(0).chain_windows is None  # every anchor, as before

@@ -8,12 +8,14 @@
   reading the head's own state). The trainer's per-step conditional top-1 (UnrolledHead's stats) equals the
   runtime's conditional acceptance within 1 point, and its logits equal the drafter's where the chain is reached.
   Control: the previous pattern (step k attends only to step k's own keys) gives other logits there.
-- loss.chain_share: a batch whose later steps run over some records (chain_records) trains those records' later
-  steps exactly as a batch of them alone would, and every record's step 0 as the whole batch does. Control: the
-  batch unrolled over every record gives other later-step figures.
+- loss.chain_share: a window of anchors unrolled past step 0 (inside a record, wrapping around, or whole) computes
+  exactly the full unroll's rows at those anchors. Control: the window's attention without its offset differs.
 """
 
 from __future__ import annotations
+
+import unittest.mock
+from dataclasses import replace
 
 import pytest
 import torch
@@ -25,7 +27,7 @@ from infer.models.mtp_head import init_head_from_target
 from infer.sampler import SamplingTensors
 from infer.sampling_params import SamplingParams
 from infer.speculative import DRAFTERS
-from mtp_train.data import PackedBatch, pad_tokens, unroll_plan
+from mtp_train.data import PackedBatch, pad_tokens, unroll_plan, window_segments
 from mtp_train.ttt import chain_attention
 from mtp_train.unroll import LossWeights, UnrolledHead, per_step_means, unrolled_steps
 from tests.test_eagle3 import fit_to_text
@@ -123,34 +125,43 @@ def test_padding_a_batch_to_a_token_multiple_changes_no_loss_stat_or_gradient(fi
     head.requires_grad_(False)
 
 
-def test_chain_records_train_their_later_steps_as_alone_and_every_records_step_0(fitted):
+@pytest.mark.parametrize("windows", [[(30, 50), (0, 0)], [(100, 40), (5, 1)], [(0, 104), (7, 8)]],
+                         ids=["inside", "wrapping", "whole"])
+def test_chain_windows_compute_the_full_unrolls_rows_at_their_anchors(fitted, windows):
+    """A window's later-step rows are the full unroll's at the same anchors (its queries see every earlier anchor's
+    step-0 key), for a window inside the record, one wrapping around to anchor 0, and one of every anchor; step 0
+    is the full unroll's. Control: the same rows with their offset dropped (top-left causal over the window's
+    anchors) differ."""
     _, head, batch, _, _ = fitted
-    head.requires_grad_(True)  # the fixture's head is frozen; given back so below
-    cut = 50  # the text as two records: 50 and 70 tokens
-    records = lambda b, chain: PackedBatch(b.input_ids, b.hidden_states, b.loss_mask, [cut, b.num_tokens - cut],  # noqa: E731
-                                           [0, 1], b.aux_hidden_states, chain)
-    second = PackedBatch(batch.input_ids[cut:], batch.hidden_states[cut:], batch.loss_mask[cut:], [batch.num_tokens - cut],
-                         [1], None if batch.aux_hidden_states is None else batch.aux_hidden_states[cut:])
-    counts = torch.ones(K)  # one normaliser for all: the losses' terms compare one to one
+    two = PackedBatch(batch.input_ids, batch.hidden_states, batch.loss_mask, [batch.num_tokens - 12, 12], [0, 1],
+                      batch.aux_hidden_states)  # a record of 108 anchors reaching every step, and a short one
+    with torch.no_grad():
+        full = {k: dict(zip(step.token_index.tolist(), head.compute_logits(out.hidden_states)))
+                for k, (step, out) in enumerate(unrolled_steps(head, two, K))}
+        windowed = list(unrolled_steps(head, replace(two, chain_windows=windows), K))
+    assert len(windowed) == K
+    for k, (step, out) in enumerate(windowed):
+        anchors = [t - 1 - k for t in step.token_index.tolist()]  # record 0 starts the batch
+        if k:
+            want = sorted({a for first, end in window_segments(windows[0], two.seq_lens[0] - K) for a in range(first, end)}
+                          | {two.seq_lens[0] + a for first, end in window_segments(windows[1], two.seq_lens[1] - K)
+                             for a in range(first, end)})
+            assert sorted(anchors) == want
+        else:
+            assert len(anchors) == sum(n - 1 for n in two.seq_lens)
+        logits = head.compute_logits(out.hidden_states)
+        torch.testing.assert_close(logits, torch.stack([full[k][t] for t in step.token_index.tolist()]),
+                                   rtol=1e-4, atol=1e-4)
+    if windows[0][0]:  # control: without the offset the window's queries see the wrong keys
+        with torch.no_grad(), unittest.mock.patch("mtp_train.ttt.causal_lower_right", top_left_causal):
+            step, out = list(unrolled_steps(head, replace(two, chain_windows=windows), K))[1]
+            logits = head.compute_logits(out.hidden_states)
+        gap = (logits - torch.stack([full[1][t] for t in step.token_index.tolist()])).abs().max()
+        assert gap > 1e-2
 
-    def loss_stats_grads(b: PackedBatch, steps: int):
-        head.zero_grad()
-        loss, stats = UnrolledHead(head, torch.ones(64), 1e-5, steps, LossWeights(ce=1.0))(b, counts[:steps])
-        loss.backward()
-        return loss.detach(), stats, torch.cat([p.grad.flatten() for p in head.parameters() if p.requires_grad])
 
-    chained, chained_stats, chained_grads = loss_stats_grads(records(batch, [1]), K)
-    alone, alone_stats, alone_grads = loss_stats_grads(second, K)
-    both_0, both_0_stats, both_0_grads = loss_stats_grads(records(batch, None), 1)
-    alone_0, _, alone_0_grads = loss_stats_grads(second, 1)
-    torch.testing.assert_close(chained_stats[1:], alone_stats[1:])  # later steps: the second record's alone
-    torch.testing.assert_close(chained_stats[0], both_0_stats[0])  # step 0: both records
-    torch.testing.assert_close(chained, alone - alone_0 + both_0)
-    torch.testing.assert_close(chained_grads, alone_grads - alone_0_grads + both_0_grads, rtol=1e-4, atol=1e-5)
-    _, every_stats, _ = loss_stats_grads(records(batch, None), K)  # control: both records' later steps
-    assert not torch.allclose(every_stats[1:], alone_stats[1:], rtol=1e-3)
-    head.zero_grad(set_to_none=True)
-    head.requires_grad_(False)
+def top_left_causal(rows: int, columns: int) -> torch.Tensor:
+    return torch.ones(rows, columns, dtype=torch.bool).tril()
 
 
 class Seq:
