@@ -157,7 +157,7 @@ class Trainer:
                   "grad_norm": self.zero_head.grad_norm, "tokens_per_s": reduced[1].item() / (time.perf_counter() - start),
                   "records": [r for b in batches for r in b.record_ids]}  # this rank's, for the data-order check
         record.update(per_step_means(reduced[2:].view(self.num_steps, len(STATS)), counts))
-        if self.cfg.loss.chain_share < 1 and self.num_steps > 1:  # the share the draw gave: step 1's positions / step 0's
+        if self.cfg.loss.chain_share < 1 and self.num_steps > 1:  # the share drawn: step 1's positions over step 0's
             record["chain_share"] = float(counts[1] / counts[0].clamp(min=1))
         return record
 

@@ -19,6 +19,10 @@ coordinates. With k dummy queries prepended, query j sees (top-left causal) the 
 key gets, and the output is out_j + sum_c w_{j,c} V_c[j]. It is exact (the same softmax), differentiable end to
 end, and costs O(L (D + k)) memory per head on top of SDPA's own.
 
+With `loss.chain_share` below 1 a later step runs over a window of anchors that may start past anchor 0: its queries
+sit at the bottom right of their keys (query first + i sees keys 0..first + i), a causal alignment SDPA takes as a
+`causal_lower_right` bias (on a CPU a boolean mask of the window's rows by its keys; GPU kernels take it as is).
+
 Read, for the pattern (not the code): SpecForge's llama3_eagle.py (sgl-project/SpecForge @ 89241ea0299e4ac48a22d2
 7d649182627d0e5e53, specforge/modeling/draft/llama3_eagle.py, LlamaAttention.forward with cache_hidden: [L, L]
 causal scores over cache_k[0] with an additive mask, then one diagonal score (q * k_i).sum(-1) per later step,
@@ -82,7 +86,8 @@ class ChainAttention:
 
     Call `begin_step(records, seq_lens, starts)` before each unroll step: its runs of consecutive anchors (the step's
     rows, `mtp_train.data.UnrollStep`), each run's record (index into the batch), length and first anchor. Step 0 runs
-    over whole records; a later step's runs keep their first anchor and lose anchors from their end only. One attention layer per head.
+    over whole records; a later step's runs keep their first anchor and lose anchors from their end only. One
+    attention layer per head.
     Attention runs in `dtype` (the training dtype) even under the trainer's bf16 autocast (`trainer.autocast`):
     on CPU, bf16 SDPA is slower than fp32 (stories260K shapes: backward 1.7x), unlike the head's matmuls.
     """

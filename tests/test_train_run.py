@@ -136,8 +136,8 @@ def test_kill_and_resume_continue_the_same_steps_and_data(tmp_path, one_process,
 def test_chain_share_unrolls_about_that_share_of_the_positions(tmp_path, one_process, features, stories_hf_dir):
     """loss.chain_share reaches the trainer's micro batches: steps past 0 train about that share of the positions
     (a window of each record's anchors), and the default trains them all (no field logged)."""
-    _train(tmp_path, features, stories_hf_dir, ["trainer.grad_accum=2", "loss.chain_share=0.3", "validate.enabled=false",
-                                                 "trainer.eval_every=0"])
+    _train(tmp_path, features, stories_hf_dir,
+           ["trainer.grad_accum=2", "loss.chain_share=0.3", "validate.enabled=false", "trainer.eval_every=0"])
     shares = [r["chain_share"] for r in _train_steps(tmp_path).values()]
     assert len(shares) == STEPS and all(0.2 < share < 0.45 for share in shares)  # of trained tokens
     assert all("chain_share" not in r for r in _train_steps(one_process).values())

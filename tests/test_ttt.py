@@ -143,10 +143,9 @@ def test_chain_windows_compute_the_full_unrolls_rows_at_their_anchors(fitted, wi
     for k, (step, out) in enumerate(windowed):
         anchors = [t - 1 - k for t in step.token_index.tolist()]  # record 0 starts the batch
         if k:
-            want = sorted({a for first, end in window_segments(windows[0], two.seq_lens[0] - K) for a in range(first, end)}
-                          | {two.seq_lens[0] + a for first, end in window_segments(windows[1], two.seq_lens[1] - K)
-                             for a in range(first, end)})
-            assert sorted(anchors) == want
+            want = [offset + a for offset, window, length in zip((0, two.seq_lens[0]), windows, two.seq_lens)
+                    for first, end in window_segments(window, length - K) for a in range(first, end)]
+            assert sorted(anchors) == sorted(want)
         else:
             assert len(anchors) == sum(n - 1 for n in two.seq_lens)
         logits = head.compute_logits(out.hidden_states)
