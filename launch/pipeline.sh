@@ -7,8 +7,8 @@
 #   4. train each head on the same features with DeepSpeed under torchrun (gloo on a CPU): TTT unroll of 4 steps,
 #      the recipe of conf/model/stories260k.yaml at 16 records a step, fp32 weights with the linear layers in bf16
 #      (trainer.autocast, on GPUs and CPUs with native bf16 matmuls: on AVX512-BF16 4.5x faster than fp32, where
-#      an AVX2-only CPU emulates them 9x slower, so there they stay fp32, and steps 1-3 of the unroll run over half
-#      of each record's anchors, loss.chain_share=0.5, to keep the 15 minutes); on a CPU the heads
+#      an AVX2-only CPU emulates them 9x slower, so there they stay fp32); CHAIN_SHARE=0.5 unrolls steps 1-3 over
+#      half of each record's anchors, in about 0.55x the time, for slightly weaker heads; on a CPU the heads
 #      train side by side, one process each on the 2-core CPU (below); each head's output goes to OUT/run-HEAD.log;
 #   5. validate each in infer/ (speculative decoding on 64 held-out story openings x 128 tokens: conditional
 #      acceptance per position, tau, speedup, the trainer's per-step top-1 on the same text);
@@ -33,7 +33,7 @@ NPROC=${NPROC:-}               # torchrun processes per head (default: on a CPU,
 K=${K:-4}                      # draft tokens per step when validating
 THREADS=${THREADS:-1}          # torch threads per process: tiny models run best on one
 AUTOCAST=${AUTOCAST:-auto}     # heads' linear layers in bf16 (trainer.autocast): auto = where bf16 matmuls are native
-CHAIN_SHARE=${CHAIN_SHARE:-auto}  # loss.chain_share: auto = 1 with autocast, else 0.5 (the 15 minutes in fp32)
+CHAIN_SHARE=${CHAIN_SHARE:-1}  # loss.chain_share: 0.5 unrolls half the anchors, about 0.55x the training time
 export OMP_NUM_THREADS=$THREADS
 for head in $HEADS; do  # before the stages that take minutes
   if [ ! -f "conf/head/$head.yaml" ]; then
@@ -48,13 +48,6 @@ if [ "$AUTOCAST" = auto ]; then  # the device the trainer picks (cuda when there
   AUTOCAST=$(python -c "import torch; from mtp_train.distributed import native_bf16
 print(str(native_bf16(torch.device('cuda' if torch.cuda.is_available() else 'cpu'))).lower())")
   echo "pipeline: trainer.autocast=$AUTOCAST (true where bf16 matmuls are native)"
-fi
-# Unrolling steps 1-3 over a random half of each record's anchors trains the heads in about 0.55x the fp32 time, at
-# about the same acceptance (README "A cheaper unroll"): where the linear layers run in fp32 it keeps the pipeline
-# within 15 minutes; where bf16 matmuls are native the full unroll fits.
-if [ "$CHAIN_SHARE" = auto ]; then
-  if [ "$AUTOCAST" = true ]; then CHAIN_SHARE=1.0; else CHAIN_SHARE=0.5; fi
-  echo "pipeline: loss.chain_share=$CHAIN_SHARE (0.5 where the heads train in fp32)"
 fi
 
 if [ ! -f "$MODEL/config.json" ]; then
