@@ -94,8 +94,8 @@ def unroll_plan(seq_lens: list[int], num_steps: int, device: torch.device | str 
     """Each unroll step's index plan (the module docstring's shift): a step's rows are segments of consecutive
     anchors, one per record (anchors 0..L-2-k) or, past step 0 with chain_windows, its window's runs."""
     steps: list[UnrollStep] = []
-    starts = [sum(seq_lens[:r]) for r in range(len(seq_lens))]
-    prev_rows = {(r, 0): starts[r] for r in range(len(seq_lens))}  # step 0 reads h_i from the packed batch
+    offsets = [sum(seq_lens[:r]) for r in range(len(seq_lens))]  # each record's first token in the packed batch
+    prev_rows = {(r, 0): offsets[r] for r in range(len(seq_lens))}  # step 0 reads h_i from the packed batch
     for k in range(num_steps):
         token_index, prev_index, positions, lens, records, firsts = [], [], [], [], [], []
         rows: dict[tuple[int, int], int] = {}  # (record, first anchor) -> the segment's first row in this step
@@ -110,7 +110,7 @@ def unroll_plan(seq_lens: list[int], num_steps: int, device: torch.device | str 
                 segments = window_segments(chain_windows[r], length - num_steps)
             for first, end in segments:
                 i = torch.arange(first, end)
-                token_index.append(starts[r] + i + 1 + k)
+                token_index.append(offsets[r] + i + 1 + k)
                 # step 1 of a window reads step 0's whole-record segment; later steps the window's own segment
                 prev = prev_rows[(r, first)] - first if (r, first) in prev_rows else prev_rows[(r, 0)]
                 prev_index.append(prev + i)
