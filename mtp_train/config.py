@@ -102,3 +102,6 @@ def check_training(cfg: DictConfig) -> None:
     if cfg.trainer.autocast and cfg.trainer.dtype != "float32":
         raise ConfigError("trainer.autocast runs the head's linear layers in bf16 over fp32 weights: it needs "
                           f"trainer.dtype=float32, got {cfg.trainer.dtype}")
+    if cfg.trainer.seq_len <= cfg.loss.unroll_steps:
+        raise ConfigError(f"trainer.seq_len={cfg.trainer.seq_len} cuts every record shorter than loss.unroll_steps + 1 = "
+                          f"{cfg.loss.unroll_steps + 1} tokens: no position would reach the last unroll step")

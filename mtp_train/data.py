@@ -181,6 +181,16 @@ def split_records(num_records: int, eval_records: int, seed: int) -> tuple[list[
     return sorted(order[eval_records:]), sorted(order[:eval_records])
 
 
+def reaching_every_step(dataset: FeatureDataset, indices: list[int], num_steps: int) -> list[int]:
+    """The records with an anchor that reaches every unroll step: num_steps + 1 tokens or more.
+
+    Why: a micro batch with no such record runs fewer head forwards than `num_steps` (`unroll_plan` stops where no
+    record has a position left, and a chain window holds only anchors that reach every step), and under ZeRO-3 every
+    forward gathers the head's parameters with a collective: a rank that stops early leaves the others waiting for
+    ever. Such records train at most num_steps - 1 positions at step 0."""
+    return [i for i in indices if dataset.num_tokens(i) > num_steps]
+
+
 def collate(dataset: FeatureDataset, record_ids: list[int], seq_len: int, pad_to: int = 1) -> PackedBatch:
     """The records packed, cut to seq_len each; then padded to a multiple of pad_to tokens (`pad_tokens`)."""
     items = [dataset[i] for i in record_ids]

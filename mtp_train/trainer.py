@@ -28,7 +28,8 @@ from infer.loader import DTYPES, ModelLoadError
 from infer.models.mtp_head import HeadLoadError, save_head, shared_tensors_sha256
 from infer.prompts import PromptFileError, read_prompt_file
 from mtp_train import checkpoint, distributed, draft_vocab
-from mtp_train.data import FeatureError, MicroBatches, eval_batches, open_features, split_records, step_token_counts
+from mtp_train.data import (FeatureError, MicroBatches, eval_batches, open_features, reaching_every_step, split_records,
+                            step_token_counts)
 from mtp_train.heads import build_head
 from mtp_train.metrics import Metrics
 from mtp_train.target import TargetError, load_target
@@ -83,7 +84,7 @@ class Trainer:
                                       LossWeights.from_config(cfg.loss), autocast=t.autocast)
 
         dataset = open_features(cfg.features_dir, self.target.config.hidden_size, self.head.target_aux_layers)
-        train_ids, eval_ids = split_records(len(dataset), cfg.eval_records, cfg.seed)
+        train_ids, eval_ids = self.long_enough(dataset, *split_records(len(dataset), cfg.eval_records, cfg.seed))
         self.draft_vocab = self.choose_draft_vocab(dataset, train_ids, eval_ids)
         self.micro_batches = MicroBatches(dataset, train_ids, t.micro_batch_size, t.seq_len, cfg.seed, self.rank,
                                           self.world, t.pad_tokens_to, cfg.loss.chain_share,
@@ -98,6 +99,19 @@ class Trainer:
                      if t.resume else 0)
         self.served: Engine | None = None  # the target in infer/, for validation (loaded on first use)
         self.serving = self.serving_group() if cfg.validate.enabled else None
+
+    def long_enough(self, dataset, train_ids: list[int], eval_ids: list[int]) -> tuple[list[int], list[int]]:
+        """Both splits without the records too short to reach every unroll step (`reaching_every_step`), said once."""
+        kept = [reaching_every_step(dataset, ids, self.num_steps) for ids in (train_ids, eval_ids)]
+        dropped = [len(ids) - len(k) for ids, k in zip((train_ids, eval_ids), kept)]
+        if any(dropped) and self.rank == 0:
+            print(f"note: {dropped[0]} training and {dropped[1]} held-out records of {self.cfg.features_dir} have "
+                  f"fewer than loss.unroll_steps + 1 = {self.num_steps + 1} tokens: no position of theirs reaches "
+                  "every unroll step, so they are left out", file=sys.stderr)
+        if not kept[0]:
+            raise FeatureError(f"features_dir={self.cfg.features_dir}: none of its {len(train_ids)} training records "
+                               f"has loss.unroll_steps + 1 = {self.num_steps + 1} tokens or more")
+        return kept[0], kept[1]
 
     def choose_draft_vocab(self, dataset, train_ids: list[int], eval_ids: list[int]) -> dict:
         """An EAGLE-3 head's draft vocabulary by head.draft_vocab_rule (mtp_train.draft_vocab), and the probability

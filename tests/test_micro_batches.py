@@ -15,7 +15,7 @@ import statistics
 
 import torch
 
-from mtp_train.data import MicroBatches, deal_by_tokens, step_token_counts, unroll_plan
+from mtp_train.data import MicroBatches, deal_by_tokens, reaching_every_step, step_token_counts, unroll_plan
 
 
 class LengthsOnly:
@@ -109,3 +109,22 @@ def test_chain_windows_unroll_each_anchor_with_the_share_and_come_back_after_a_r
     assert batches()(57).chain_windows == one(57).chain_windows  # a resumed run draws the same
     assert batches(seed=4)(57).chain_windows != one(57).chain_windows
     assert batches(share=1.0)(0).chain_windows is None  # every anchor, as before
+
+
+def test_every_micro_batch_of_the_kept_records_runs_every_unroll_step():
+    """Under ZeRO-3 every head forward is a collective: a rank whose micro batch stops its unroll early leaves the
+    others waiting (a two-process run with a few 4-token records and chain_share=0.5 hung). The trainer keeps the
+    records that reach every step (`reaching_every_step`); control: one record a micro batch over every record stops
+    early on the short ones."""
+    dataset = LengthsOnly([90, 5, 4, 3, 120, 5, 2, 77])
+    kept = reaching_every_step(dataset, list(range(8)), 4)
+    assert kept == [0, 1, 4, 5, 7]
+
+    def step_counts(indices: list[int], share: float) -> set[int]:
+        batches = MicroBatches(dataset, indices, 1, seq_len=512, seed=0, rank=0, world_size=1, pad_to=256,
+                               chain_share=share, num_steps=4)
+        return {len(unroll_plan(b.seq_lens, 4, chain_windows=b.chain_windows)) for b in map(batches, range(20))}
+
+    for share in (1.0, 0.5, 0.1):
+        assert step_counts(kept, share) == {4}
+    assert step_counts(list(range(8)), 0.5) != {4}  # the short records alone: fewer forwards on that rank

@@ -325,6 +325,7 @@ def test_deepseek_target_head_init_and_training_step(tmp_path):
     ("trainer.lr=-1", "trainer.lr must be >= 0.0, got -1.0"),
     ("trainer.max_steps=lots", "trainer.max_steps=lots: Value 'lots' of type 'str' could not be converted to Integer"),
     ("trainer.autocast=true", "trainer.autocast .* needs trainer.dtype=float32, got bfloat16"),
+    ("trainer.seq_len=4", r"trainer.seq_len=4 cuts every record shorter than loss.unroll_steps \+ 1 = 5 tokens"),
 ])
 def test_bad_trainer_values_are_clear_errors(override, message):
     with pytest.raises(ConfigError, match=message):

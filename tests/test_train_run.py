@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import shutil
 import subprocess
 import sys
@@ -141,6 +142,30 @@ def test_chain_share_unrolls_about_that_share_of_the_positions(tmp_path, one_pro
     shares = [r["chain_share"] for r in _train_steps(tmp_path).values()]
     assert len(shares) == STEPS and all(0.2 < share < 0.45 for share in shares)  # of trained tokens
     assert all("chain_share" not in r for r in _train_steps(one_process).values())
+
+
+def test_zero3_ranks_with_records_too_short_for_the_unroll_do_not_hang(tmp_path, assets_dir, stories_hf_dir):
+    """Records of 4 tokens (a one-letter exchange) cannot reach the 4th unroll step; a rank whose micro batch held only
+    them ran fewer head forwards, and under ZeRO-3 (a collective per forward) the two ranks waited on each other for
+    ever (seen with chain_share=0.5, one record a micro batch). The trainer leaves them out and says so."""
+    conversations = json.loads((assets_dir / "eval" / "fastchat_dummy_conversation.json").read_text())[:4]
+    tiny = [{"id": f"tiny{i}", "conversations": [{"from": "human", "value": "a"}, {"from": "gpt", "value": "b"}]}
+            for i in range(8)]
+    (tmp_path / "convs.json").write_text(json.dumps(conversations + tiny))
+    features = tmp_path / "features"
+    subprocess.run([sys.executable, "-m", "data_tools.precompute", f"output_dir={features}", "data=sharegpt_dummy",
+                    f"data.paths=[{tmp_path / 'convs.json'}]", "precompute.dtype=float32",
+                    f"model.path={stories_hf_dir}", "--no-progress"],
+                   cwd=ROOT, env=_env(), check=True, capture_output=True, timeout=240)
+    assert sorted(open_features(features, 64).num_tokens(i) for i in range(12))[:8] == [4] * 8
+    result = _train(tmp_path / "run", features, stories_hf_dir,
+                    ["trainer=zero3", "trainer.micro_batch_size=1", "trainer.grad_accum=1", "trainer.max_steps=4",
+                     "eval_records=1", "loss.unroll_steps=4", "loss.chain_share=0.5", "validate.enabled=false"],
+                    nproc=2)
+    note = re.search(r"note: (\d+) training and (\d+) held-out records .* fewer than loss.unroll_steps \+ 1 = 5 tokens",
+                     result.stderr)
+    assert note and int(note[1]) + int(note[2]) == 8, result.stderr[-3000:]
+    assert max(_train_steps(tmp_path / "run")) == 4
 
 
 def test_loss_falls_and_per_step_agreement_is_reported(one_process):
