@@ -10,6 +10,7 @@ from pathlib import Path
 
 import torch
 
+from infer import parallel
 from infer.atomic_io import OutputExistsError
 from infer.engine import EngineConfig
 from infer.loader import DTYPES, ModelLoadError
@@ -62,7 +63,8 @@ def add_spec_args(parser: argparse.ArgumentParser) -> None:
                             "EAGLE-3, from its config) (default none)")
     group.add_argument("--draft", type=Path, help="the draft LM folder (--spec draft) or head folder (--spec mtp)")
     group.add_argument("--num-draft-tokens", type=int, default=None,
-                       help="K, tokens proposed per step (default: the head's recommended K for the batch, else 4)")
+                       help="K, tokens proposed per step (default: the head's recommended K for the batch, else 4; "
+                            "a recommended 0, plain decoding predicted faster, does not speculate)")
     add_catch_up_arg(group)
 
 
@@ -79,7 +81,8 @@ DEFAULT_NUM_DRAFT_TOKENS = 4
 
 def attach_spec(engine, args: argparse.Namespace, batch_size: int) -> None:
     """Attach the drafter the flags ask for; flag mistakes become one-line errors. Without --num-draft-tokens, an
-    MTP head's recommended K for `batch_size` (written by `mtp_train.export --report`) is used, else 4."""
+    MTP head's recommended K for `batch_size` (written by `mtp_train.export --report`) is used, else 4; a
+    recommended 0 (plain decoding predicted faster) attaches nothing, with a note."""
     if args.spec == "none":
         return
     if args.draft is None:
@@ -87,6 +90,12 @@ def attach_spec(engine, args: argparse.Namespace, batch_size: int) -> None:
     k = args.num_draft_tokens
     if k is None:
         recommended = read_head_config(args.draft).num_draft_tokens_for(batch_size) if args.spec == "mtp" else None
+        if recommended == 0:
+            if parallel.current().rank == 0:
+                print(f"note: {args.draft}'s validation predicts that no K beats plain decoding at batch {batch_size} "
+                      "(its recommended_k): decoding without speculation; --num-draft-tokens K speculates anyway",
+                      file=sys.stderr)
+            return
         k = recommended or DEFAULT_NUM_DRAFT_TOKENS
     if not 1 <= k <= 16:
         raise CliError(f"--num-draft-tokens must be in 1..16, got {k}")

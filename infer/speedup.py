@@ -322,8 +322,13 @@ def predicted_tau(conditional: list[float], k: int) -> float:
 
 @dataclass
 class Recommendation:
-    k: int
+    k: int  # 0: decode plainly, no K is predicted to beat it
     predicted_speedup: dict[int, float]  # K -> speedup over plain decoding
+
+    @property
+    def best_k(self) -> int:
+        """The K with the highest predicted speedup, even where that is below 1 (what a measured sweep checks)."""
+        return max(self.predicted_speedup, key=self.predicted_speedup.get)
 
     def to_dict(self) -> dict:
         return {"k": self.k, "predicted_speedup": {str(k): round(v, 3) for k, v in self.predicted_speedup.items()}}
@@ -331,13 +336,17 @@ class Recommendation:
 
 def recommend_k(conditional: list[float], costs: dict[int, ForwardCosts],
                 overhead: StepOverhead | None = None) -> Recommendation:
-    """The K in `costs` (each with its own verify cost) with the highest predicted speedup."""
+    """The K in `costs` (each with its own verify cost) with the highest predicted speedup, or 0 where none is predicted
+    to beat plain decoding (a small model's forward costs about the same at any width, so at larger batches on a CPU
+    every K can lose: recommending the least bad K would have the runtime speculate slower than it decodes)."""
     usable = {k: c for k, c in costs.items() if k <= len(conditional)}
     if not usable:
         raise ValueError(f"no K in {sorted(costs)} is covered by acceptance measured at {len(conditional)} positions")
     overhead = overhead or StepOverhead()
     speedup = {k: predicted_speedup(predicted_tau(conditional, k), c, k, overhead) for k, c in sorted(usable.items())}
-    return Recommendation(max(speedup, key=speedup.get), speedup)
+    rec = Recommendation(0, speedup)
+    rec.k = rec.best_k if speedup[rec.best_k] > 1 else 0
+    return rec
 
 
 TIMING_TOKENS = 128  # tokens per request in the timed runs behind a recommendation's step overhead

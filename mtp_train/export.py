@@ -349,7 +349,7 @@ def eagle3_export_config(config: MTPHeadConfig, fmt: str, aux_layers: list[int],
                 "norm_before_residual": config.norm_before_residual, "bias": False,
                 "eagle_config": {"eagle_aux_hidden_state_layer_ids": ids, "use_aux_hidden_state": True},
                 "eagle_aux_hidden_state_layer_ids": ids, **own}
-    speculative_tokens = config.num_draft_tokens_for(1) or 3
+    speculative_tokens = config.num_draft_tokens_for(1) or 3  # none recommended, or 0 (plain faster): speculators' 3
     return {"speculators_model_type": "eagle3", "architectures": ["Eagle3Speculator"],
             "transformer_layer_config": {"model_type": "llama", **decoder},
             "speculators_config": {

@@ -71,6 +71,11 @@ def test_recommend_k_maximises_the_predicted_speedup():
     assert ideal_speedup(predicted_tau([1.0] * 4, 4), ForwardCosts(1.0, 0.0, 1.0), 4) == pytest.approx(5.0)
     with pytest.raises(ValueError, match="covered by acceptance measured at 1 positions"):
         recommend_k([0.5], {2: costs[2]})
+    # drafts that cost as much as the target and rarely land: every K loses to plain decoding, which is recommended
+    dear = {k: ForwardCosts(decode=1.0, draft=1.0, verify=1.2) for k in range(1, 5)}
+    lose = recommend_k([0.3, 0.3, 0.3, 0.3], dear)
+    assert max(lose.predicted_speedup.values()) < 1 and lose.k == 0 and lose.best_k == 1
+    assert lose.to_dict()["k"] == 0
 
 
 def test_ideal_share_prices_each_repeat_by_its_own_forward_costs():
@@ -168,6 +173,34 @@ def test_export_carries_the_reports_recommendation_and_generate_uses_it(tmp_path
                                  "--report", str(bad)])) == 2
 
 
+def test_generate_decodes_plainly_where_the_head_recommends_k_0(tmp_path, stories_model, stories_hf_dir, capsys):
+    """A recommended K of 0 (the validation predicted plain decoding faster at that batch size) attaches no drafter
+    and says so; --num-draft-tokens speculates anyway; at a batch size whose recommendation is 3 the head drafts 3."""
+    from infer.cli import attach_spec  # noqa: PLC0415
+    from infer.generate import build_parser  # noqa: PLC0415
+    from infer.models.mtp_head import save_head  # noqa: PLC0415
+
+    head = save_head(init_head_from_target(stories_model, "stories260K"), tmp_path / "head")
+    report = tmp_path / "report.json"
+    report.write_text(json.dumps({"recommended_k": {"by_batch_size": {"1": {"k": 3}, "8": {"k": 0}}}}))
+    out = export_head(head, "runtime", tmp_path / "runtime", report=report)
+
+    def attached(batch_size: int, *flags: str) -> Engine:
+        args = build_parser().parse_args(["--model", str(stories_hf_dir), "--spec", "mtp", "--draft", str(out),
+                                          "--prompt", "x", *flags])
+        engine = Engine.from_pretrained(stories_hf_dir, dtype=torch.float32, device="cpu", max_num_seqs=8)
+        attach_spec(engine, args, batch_size)
+        return engine
+
+    assert attached(1).drafter is not None and attached(1).num_draft_tokens == 3
+    capsys.readouterr()
+    assert attached(8).drafter is None
+    err = capsys.readouterr().err
+    assert "no K beats plain decoding at batch 8" in err and str(out) in err
+    forced = attached(8, "--num-draft-tokens", "2")
+    assert forced.drafter is not None and forced.num_draft_tokens == 2
+
+
 def test_step_overhead_is_fitted_through_two_ks_and_predicts_the_ones_between():
     """Synthetic runs whose step overhead is 0.3 + 0.1 K ms (plain: 0.2 ms): the fit recovers it from K=1 and K=4,
     and the prediction at K=2 and 3 is exact; a single K gives a flat overhead."""
@@ -210,6 +243,14 @@ def test_bench_recommendation_is_the_sweeps_best_k_on_runs_the_model_describes()
     rows[2]["spec_tok_s"] *= 1.25  # K=3 measured 25% faster: predicted / measured - 1 = -0.2
     (off,) = recommendations(rows)
     assert off["worst_error_any_k"] == pytest.approx(-0.2, abs=1e-3) and off["measured_best_k"] == 3
+    # a plain run beside K=3 twice as fast (the machine drifted): each K is judged against its own plain run
+    rows[2]["plain_tok_s"] *= 2
+    assert recommendations(rows)[0]["measured_best_k"] == 2
+    # every K measured and predicted below plain decoding: both say 0, the prediction still checked at its best K
+    for row in rows:
+        row["plain_tok_s"] = 2 * row["spec_tok_s"]
+    (slow,) = recommendations(rows)
+    assert slow["recommended_k"] == slow["measured_best_k"] == 0 and slow["checked_k"] == 2 and slow["predicted_over_measured"] > 1
 
 
 def test_compare_counts_one_timed_runs_statistics(stories_model, stories_tokenizer):

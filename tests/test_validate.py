@@ -74,8 +74,10 @@ def test_report_structure_and_identities(report):
     assert report["distinct_prompts"] == report["num_prompts"] == 4
     recommended = report["recommended_k"]["by_batch_size"]
     assert sorted(recommended, key=int) == ["1", "8", "32"]
-    assert all(1 <= r["k"] <= 3 and sorted(r["predicted_speedup"]) == ["1", "2", "3"] for r in recommended.values())
-    assert all(r["predicted_speedup"][str(r["k"])] == max(r["predicted_speedup"].values()) for r in recommended.values())
+    for r in recommended.values():  # the best K, or 0 where plain decoding is predicted faster than every K
+        best = max(r["predicted_speedup"].values())
+        assert sorted(r["predicted_speedup"]) == ["1", "2", "3"] and 0 <= r["k"] <= 3
+        assert best <= 1.0005 if r["k"] == 0 else r["predicted_speedup"][str(r["k"])] == best >= 0.9995
     json.dumps(report)
 
 

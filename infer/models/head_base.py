@@ -53,7 +53,8 @@ class MTPHeadConfig:
     norm_before_residual: bool = False
 
     def num_draft_tokens_for(self, batch_size: int) -> int | None:
-        """The recommended K at the largest measured batch size <= batch_size (the smallest one below them all)."""
+        """The recommended K at the largest measured batch size <= batch_size (the smallest one below them all); 0
+        where the validation predicted plain decoding faster than every K."""
         if not self.recommended_k:
             return None
         sizes = sorted(int(b) for b in self.recommended_k)
