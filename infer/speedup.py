@@ -344,9 +344,8 @@ def recommend_k(conditional: list[float], costs: dict[int, ForwardCosts],
         raise ValueError(f"no K in {sorted(costs)} is covered by acceptance measured at {len(conditional)} positions")
     overhead = overhead or StepOverhead()
     speedup = {k: predicted_speedup(predicted_tau(conditional, k), c, k, overhead) for k, c in sorted(usable.items())}
-    rec = Recommendation(0, speedup)
-    rec.k = rec.best_k if speedup[rec.best_k] > 1 else 0
-    return rec
+    best = max(speedup, key=speedup.get)
+    return Recommendation(best if speedup[best] > 1 else 0, speedup)
 
 
 TIMING_TOKENS = 128  # tokens per request in the timed runs behind a recommendation's step overhead

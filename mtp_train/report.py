@@ -52,8 +52,8 @@ def format_report(report: dict) -> str:
                      f"{', GAP' if report['gap_flag'] else ''}); every anchor: conditional {fmt(replay['cond_top1'])}, "
                      f"top-1 {fmt(replay['top1'])}")
     for batch, rec in (report.get("recommended_k") or {}).get("by_batch_size", {}).items():
-        k = rec["k"] or "0, plain decoding"
-        lines.append(f"recommended K at batch {batch}: {k} (predicted speedup "
+        shown = rec["k"] or "0, plain decoding"
+        lines.append(f"recommended K at batch {batch}: {shown} (predicted speedup "
                      + ", ".join(f"K={k}: {v:.2f}" for k, v in rec["predicted_speedup"].items()) + ")")
     return "\n".join(lines)
 
