@@ -247,3 +247,15 @@ def test_training_validation_and_serving_feed_a_head_the_same_hidden_state(stori
     other = "pre_norm" if hidden_state == "post_norm" else "post_norm"
     served.config = dataclasses.replace(served.config, hidden_state=other)
     assert (aligned_logits(stories_model, served, request.token_ids)[0][-1] - carry).abs().max() > 1e-3
+
+
+def test_report_names_a_recommended_k_of_0_plain_decoding():
+    from mtp_train.report import format_report  # noqa: PLC0415
+
+    run = {"temperature": 0.0, "tau": 1.5, "conditional_acceptance": [0.5], "conditional_acceptance_se": [0.05],
+           "speedup": 0.9, "ideal_speedup": 1.0, "plain_tok_s": 100.0, "spec_tok_s": 90.0}
+    recommended = {"1": {"k": 1, "predicted_speedup": {"1": 1.1}}, "8": {"k": 0, "predicted_speedup": {"1": 0.93}}}
+    text = format_report({"num_draft_tokens": 1, "runs": [run], "trainer_replay": None,
+                          "recommended_k": {"by_batch_size": recommended}})
+    assert "recommended K at batch 1: 1 (predicted speedup K=1: 1.10)" in text
+    assert "recommended K at batch 8: 0, plain decoding (predicted speedup K=1: 0.93)" in text
