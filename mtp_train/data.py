@@ -79,6 +79,11 @@ class UnrollStep:
     starts: list[int]  # each segment's first anchor
 
 
+def anchors_reaching_every_step(length: int, num_steps: int) -> int:
+    """The n anchors 0..n-1 of a record that reach every unroll step: anchor i's last step reads token i + num_steps."""
+    return max(length - num_steps, 0)
+
+
 def window_segments(window: tuple[int, int], n: int) -> list[tuple[int, int]]:
     """A window (first anchor, count) around anchors 0..n-1 as runs [start, end): one, or two where it wraps."""
     first, count = window[0], min(window[1], n)
@@ -107,7 +112,7 @@ def unroll_plan(seq_lens: list[int], num_steps: int, device: torch.device | str 
             if k == 0 or chain_windows is None:
                 segments = [(0, n)]
             else:  # a window lies within the anchors that reach every step: none drops out
-                segments = window_segments(chain_windows[r], length - num_steps)
+                segments = window_segments(chain_windows[r], anchors_reaching_every_step(length, num_steps))
             for first, end in segments:
                 i = torch.arange(first, end)
                 token_index.append(offsets[r] + i + 1 + k)
@@ -188,7 +193,7 @@ def reaching_every_step(dataset: FeatureDataset, indices: list[int], num_steps: 
     record has a position left, and a chain window holds only anchors that reach every step), and under ZeRO-3 every
     forward gathers the head's parameters with a collective: a rank that stops early leaves the others waiting for
     ever. Such records train at most num_steps - 1 positions at step 0."""
-    return [i for i in indices if dataset.num_tokens(i) > num_steps]
+    return [i for i in indices if anchors_reaching_every_step(dataset.num_tokens(i), num_steps) > 0]
 
 
 def collate(dataset: FeatureDataset, record_ids: list[int], seq_len: int, pad_to: int = 1) -> PackedBatch:
@@ -228,8 +233,8 @@ def draw_chain_windows(batch: PackedBatch, share: float, rng: random.Random, num
         return batch
     windows = []
     for r, length in enumerate(batch.seq_lens):
-        n = length - num_steps
-        if r >= len(batch.record_ids) or n <= 0:
+        n = anchors_reaching_every_step(length, num_steps)
+        if r >= len(batch.record_ids) or n == 0:
             windows.append((0, 0))
         else:
             windows.append((rng.randrange(n), max(1, round(share * n))))
