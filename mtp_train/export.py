@@ -63,6 +63,7 @@ from infer.models.mtp_head import (
     load_head,
     load_weights,
     read_head,
+    read_head_config,
     save_head,
 )
 
@@ -375,6 +376,20 @@ def recommended_k_from_report(report: Path) -> dict[str, int]:
                           f"(python -m mtp_train.validate writes one): {err!r}") from err
 
 
+def plain_decoding_note(config: MTPHeadConfig, fmt: str) -> str | None:
+    """Where the validation recommends K=0 (no K predicted to beat plain decoding), an engine that serves the export
+    there decodes slower than the target alone, and no engine's config can say so; speculators' needs one or more
+    tokens and says 3 where batch 1's recommendation is 0."""
+    plain = sorted(int(batch) for batch, k in (config.recommended_k or {}).items() if k == 0)
+    if not plain:
+        return None
+    note = (f"note: the validation recommends plain decoding (K=0) at batch size {', '.join(map(str, plain))}: "
+            "serving this head there is slower than serving the target alone")
+    if fmt == "speculators" and config.num_draft_tokens_for(1) == 0:
+        note += "; the speculators config needs one or more tokens, so it says 3"
+    return note
+
+
 def export_head(head: str | Path | DraftHead, fmt: str, out: str | Path, target: str | Path | None = None,
                 overwrite: bool = False, report: Path | None = None) -> Path:
     """Write `head` (a folder or an in-memory head) in format `fmt` to `out`.
@@ -481,6 +496,11 @@ def main(argv: list[str] | None = None) -> int:
                       report=args.report)
     tensors = len(load_file(str(out / "model.safetensors")))
     print(f"wrote {out} ({args.format}, {tensors} tensors)")
+    config = read_head_config(args.head)
+    if args.report is not None:
+        config = replace(config, recommended_k=recommended_k_from_report(args.report))
+    if (note := plain_decoding_note(config, args.format)) is not None:
+        print(note, file=sys.stderr)
     return 0
 
 

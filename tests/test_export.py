@@ -415,6 +415,17 @@ def test_eagle3_exports_refuse_what_they_cannot_hold(stories_model, stories_hf_d
     for fmt in ("eagle3", "speculators"):
         out = export_head(shared, fmt, tmp_path / f"report-{fmt}", target=stories_hf_dir, report=report)
         assert load_export(out, stories_model).config.recommended_k == {"1": 3}
+    capsys.readouterr()
+    assert main(["--head", str(shared), "--format", "speculators", "--out", str(tmp_path / "cli-k3"),
+                 "--target", str(stories_hf_dir), "--report", str(report)]) == 0
+    assert "plain decoding" not in capsys.readouterr().err  # control: K=3 recommended, nothing to say
+    report.write_text(json.dumps({"recommended_k": {"by_batch_size": {"1": {"k": 0}, "8": {"k": 0}}}}))
+    assert main(["--head", str(shared), "--format", "speculators", "--out", str(tmp_path / "cli-k0"),
+                 "--target", str(stories_hf_dir), "--report", str(report)]) == 0
+    err = capsys.readouterr().err  # plain decoding wins everywhere: the written 3 is said to be the config's floor
+    assert "recommends plain decoding (K=0) at batch size 1, 8" in err and "so it says 3" in err
+    config = json.loads((tmp_path / "cli-k0" / "config.json").read_text())
+    assert config["speculators_config"]["proposal_methods"][0]["speculative_tokens"] == 3
 
 
 def test_a_reloaded_eagle3_export_whose_lm_head_is_not_the_targets_rows_is_refused(stories_model, tmp_path):
