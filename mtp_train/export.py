@@ -377,11 +377,12 @@ def recommended_k_from_report(report: Path) -> dict[str, int]:
 
 
 def plain_decoding_note(config: MTPHeadConfig, fmt: str) -> str | None:
-    """Where the validation recommends K=0 (no K predicted to beat plain decoding), an engine that serves the export
-    there decodes slower than the target alone, and no engine's config can say so; speculators' needs one or more
-    tokens and says 3 where batch 1's recommendation is 0."""
+    """Where the validation recommends K=0 (no K predicted to beat plain decoding), vLLM or SGLang serving the export
+    there decodes slower than the target alone, and neither engine's config can say so (the runtime format's can:
+    infer.generate does not speculate there); speculators' needs one or more tokens and says 3 where batch 1's
+    recommendation is 0."""
     plain = sorted(int(batch) for batch, k in (config.recommended_k or {}).items() if k == 0)
-    if not plain:
+    if fmt == "runtime" or not plain:
         return None
     note = (f"note: the validation recommends plain decoding (K=0) at batch size {', '.join(map(str, plain))}: "
             "serving this head there is slower than serving the target alone")

@@ -426,6 +426,9 @@ def test_eagle3_exports_refuse_what_they_cannot_hold(stories_model, stories_hf_d
     assert "recommends plain decoding (K=0) at batch size 1, 8" in err and "so it says 3" in err
     config = json.loads((tmp_path / "cli-k0" / "config.json").read_text())
     assert config["speculators_config"]["proposal_methods"][0]["speculative_tokens"] == 3
+    assert main(["--head", str(shared), "--format", "runtime", "--out", str(tmp_path / "cli-k0-runtime"),
+                 "--target", str(stories_hf_dir), "--report", str(report)]) == 0
+    assert "plain decoding" not in capsys.readouterr().err  # the runtime's config carries the 0: nothing to say
 
 
 def test_a_reloaded_eagle3_export_whose_lm_head_is_not_the_targets_rows_is_refused(stories_model, tmp_path):
