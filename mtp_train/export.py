@@ -376,6 +376,11 @@ def recommended_k_from_report(report: Path) -> dict[str, int]:
                           f"(python -m mtp_train.validate writes one): {err!r}") from err
 
 
+def with_report(config: MTPHeadConfig, report: Path | None) -> MTPHeadConfig:
+    """The head's config as exported: a validation report's recommended K per batch size replaces the head's own."""
+    return config if report is None else replace(config, recommended_k=recommended_k_from_report(report))
+
+
 def plain_decoding_note(config: MTPHeadConfig, fmt: str) -> str | None:
     """Where the validation recommends K=0 (no K predicted to beat plain decoding), vLLM or SGLang serving the export
     there decodes slower than the target alone, and neither engine's config can say so (the runtime format's can:
@@ -408,9 +413,8 @@ def export_head(head: str | Path | DraftHead, fmt: str, out: str | Path, target:
     elif model is not None:
         check_target(head.config, model, "the head")
     if report is not None:  # the K to serve with, per batch size, travels with the head (the caller's is kept)
-        recommended = recommended_k_from_report(report)
         head = copy_head(head)  # still attached: an EAGLE-3 export writes the target's lm_head rows
-        head.config = replace(head.config, recommended_k=recommended)
+        head.config = with_report(head.config, report)
     config = head.config
     check_exportable(config, fmt, model.config.num_hidden_layers if model is not None else None)
     if fmt == "runtime":
@@ -497,10 +501,7 @@ def main(argv: list[str] | None = None) -> int:
                       report=args.report)
     tensors = len(load_file(str(out / "model.safetensors")))
     print(f"wrote {out} ({args.format}, {tensors} tensors)")
-    config = read_head_config(args.head)
-    if args.report is not None:
-        config = replace(config, recommended_k=recommended_k_from_report(args.report))
-    if (note := plain_decoding_note(config, args.format)) is not None:
+    if (note := plain_decoding_note(with_report(read_head_config(args.head), args.report), args.format)) is not None:
         print(note, file=sys.stderr)
     return 0
 
