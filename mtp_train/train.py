@@ -42,10 +42,13 @@ def train(cfg: DictConfig) -> None:
 
     try:
         Trainer(cfg).fit()
-    except USER_ERRORS as err:  # a config or data mistake: one line, no traceback
-        launch.exit_on_user_error(err)
-    finally:
-        distributed.shutdown()
+    except BaseException as err:
+        # No barrier on the way out: the peers may be waiting in a collective this rank will never join. Its exit
+        # ends theirs (torchrun's agent stops the other workers; a peer's gloo collective fails at once).
+        if isinstance(err, USER_ERRORS):  # a config or data mistake: one line, no traceback
+            launch.exit_on_user_error(err)
+        raise
+    distributed.shutdown()
 
 
 def precheck_overrides(argv: list[str]) -> None:

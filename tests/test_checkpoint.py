@@ -28,9 +28,9 @@ class StandInZeroHead:
     def __init__(self, step: int) -> None:
         self.step, self.loaded = step, False
 
-    def load(self, checkpoint_dir: Path) -> tuple[Path, dict]:
+    def load(self, checkpoint_dir: Path, tag: str) -> tuple[Path, dict]:
         self.loaded = True
-        return Path(checkpoint_dir), {"step": self.step}
+        return Path(checkpoint_dir) / tag, {"step": self.step}
 
 
 def identity(**head_changes) -> dict:
