@@ -102,6 +102,17 @@ def all_gather_lists(items: list) -> list:
     return list(items)
 
 
+# What a collective raises on a rank whose peer has left the job (gloo's transport, NCCL's watchdog, c10d): the
+# failure is the peer's, and its own message is the one to read.
+_PEER_GONE = ("Connection closed by peer", "Connection reset by peer", "remote worker crashing", "NCCL communicator was aborted")
+
+
+def peer_failed(err: BaseException) -> bool:
+    """Whether `err` is this rank's collective failing because another rank left (crashed, or stopped by an error)."""
+    backend_errors = tuple(getattr(dist, name) for name in ("DistBackendError", "DistNetworkError") if hasattr(dist, name))
+    return isinstance(err, backend_errors) or (isinstance(err, RuntimeError) and any(s in str(err) for s in _PEER_GONE))
+
+
 def broadcast_object(obj: object) -> object:
     """Rank 0's picklable `obj` on every rank (a world of one: `obj`)."""
     if dist.is_initialized() and dist.get_world_size() > 1:
