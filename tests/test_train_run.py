@@ -185,8 +185,7 @@ def test_each_evaluation_validates_the_head_in_the_runtime(one_process):
     assert [r["step"] for r in validations] == [3, STEPS]
     for v in validations:
         assert 1.0 <= v["tau_T0"] <= 1.0 + 4 and 0.0 <= v["acceptance_T0_0"] <= 1.0
-        gaps = [abs(v[f"replay_cond_top1_{j}"] - v[f"acceptance_T0_{j}"]) for j in range(4)]
-        assert v["gap_flag"] == any(round(g, 9) > 0.02 for g in gaps)
+        assert v["gap_flag"] is False  # the trainer computes what is served (tests/test_replay.py: with power)
 
 
 def test_frozen_tensors_untouched_and_absent_from_optimizer_and_checkpoints(one_process):
