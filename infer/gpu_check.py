@@ -38,7 +38,7 @@ import torch
 from transformers import DeepseekV2Config, DeepseekV2ForCausalLM, LlamaConfig, LlamaForCausalLM
 
 from infer.attention import AttentionBackend, FlashInferAttention, TorchAttention, flashinfer_available
-from infer.bench import best_of, print_table, run_engine
+from infer.bench.cli import best_of, print_table, run_engine
 from infer.cli import CliError, run_cli
 from infer.engine import Engine, EngineConfig
 from infer.kv_cache import PagePool, PageTable, build_page_metadata

@@ -36,7 +36,8 @@ import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
-from infer.engine import Engine, ForwardCosts, Request, per_prompt
+from infer.bench.forward_costs import ForwardCosts, forward_costs
+from infer.engine import Engine, Request, per_prompt
 from infer.kv_cache import pages_needed
 from infer.sampling_params import SamplingParams
 
@@ -47,7 +48,7 @@ COST_CONTEXT = 32  # the fewest cached tokens behind the timed single forwards (
 def timing_context(tokens: int, k: int, decode_run_steps: int) -> int:
     """The positions per sequence an engine that times forwards must hold: the longest context it runs (`tokens`,
     at least COST_CONTEXT), then a verify forward's K+1 (and a draft LM's one more) or the steps of a timed decode
-    run (`Engine.forward_costs`)."""
+    run (`forward_costs`)."""
     return max(tokens, COST_CONTEXT) + max(k + 2, decode_run_steps)
 
 
@@ -247,7 +248,7 @@ def timed_costs(spec: Engine, batch_size: int, max_new_tokens: int, repeats: int
 
     def between(run: Timed) -> None:
         context = cost_context([len(r.prompt_ids) for r in run.requests], max_new_tokens)
-        measured.append(spec.forward_costs(batch_size, context, repeats, alone=alone))
+        measured.append(forward_costs(spec, batch_size, context, repeats, alone=alone))
 
     return measured, between
 
@@ -409,7 +410,7 @@ def recommend_k_by_batch(engines: TimingEngines, conditional: list[float], batch
     out = {}
     for batch_size in batch_sizes:
         context = cost_context([len(prompts[i % len(prompts)]) for i in range(batch_size)], TIMING_TOKENS)
-        costs = {k: engines.spec.forward_costs(batch_size, context, repeats, num_draft_tokens=k)
+        costs = {k: forward_costs(engines.spec, batch_size, context, repeats, num_draft_tokens=k)
                  for k in range(1, len(conditional) + 1)}
         overhead = step_overhead_at(engines, prompts, batch_size, costs, temperature)
         out[str(batch_size)] = recommend_k(conditional, costs, overhead).to_dict()

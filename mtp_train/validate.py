@@ -33,8 +33,9 @@ from torch import nn
 
 from data_tools.config import ConfigError
 from infer.attention import PackedCausalAttention
+from infer.bench.forward_costs import ForwardCosts
 from infer.cli import CliError, parse_floats, parse_ints, run_cli
-from infer.engine import Engine, ForwardCosts
+from infer.engine import Engine
 from infer.kv_cache import pages_needed
 from infer.loader import DTYPES
 from infer.models.common import ModelOutput

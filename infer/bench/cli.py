@@ -36,17 +36,17 @@ import functools
 import json
 import math
 import statistics
-import sys
 import time
 from dataclasses import fields
 from pathlib import Path
 
 import torch
 
-from infer.cli import CliError, add_catch_up_arg, add_engine_args, engine_kwargs, parse_floats, parse_ints, run_cli
-from infer.engine import Engine, ForwardCosts
+from infer.bench.forward_costs import ForwardCosts
+from infer.cli import CliError, add_catch_up_arg, add_engine_args, engine_kwargs, parse_floats, parse_ints
+from infer.engine import Engine
 from infer.loader import DTYPES
-from infer.parallel import attach_where_it_lives, current, init_tp, on_rank0, serve_forever, tp_main
+from infer.parallel import attach_where_it_lives, current, init_tp, on_rank0, serve_forever
 from infer.prompts import DEFAULT_PROMPTS, read_prompt_file
 from infer.sampling_params import SamplingParams
 from infer.speedup import (SPEC_MIN_NEW_TOKENS, IdealShare, StepOverhead, compare, cost_context,
@@ -332,6 +332,3 @@ def main(argv: list[str] | None = None) -> int:
     print(json.dumps(result))
     return 0
 
-
-if __name__ == "__main__":
-    sys.exit(run_cli(tp_main(main)))
