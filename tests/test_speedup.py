@@ -1,4 +1,5 @@
-"""infer.speedup: tau from conditional acceptance, and the recommended K (an exact identity and hand-worked cases)."""
+"""infer.bench.speedup: tau from conditional acceptance, and the recommended K (an exact identity and hand-worked
+cases)."""
 
 from __future__ import annotations
 
@@ -9,16 +10,16 @@ import pytest
 import torch
 
 from infer.bench.forward_costs import ForwardCosts, Stopwatch, forward_costs
+from infer.bench.speedup import (
+    COST_CONTEXT, Comparison, IdealShare, StepOverhead, Timed, compare, cost_context, ideal_speedup,
+    ideal_speedup_with_tail, interleaved_generate, interleaved_stream, live_per_verify_step, predicted_speedup,
+    predicted_tau, recommend_k, timed_costs, timed_generate,
+)
 from infer.engine import Engine, EngineConfig
 from infer.model_runner import ModelRunner
 from infer.models.mtp_head import init_head_from_target, read_head_config
 from infer.sampling_params import SamplingParams
 from infer.speculative import SpecStats
-from infer.speedup import (
-    COST_CONTEXT, Comparison, IdealShare, StepOverhead, Timed, compare, cost_context, ideal_speedup,
-    ideal_speedup_with_tail, interleaved_generate, interleaved_stream, live_per_verify_step, predicted_speedup,
-    predicted_tau, recommend_k, timed_costs, timed_generate,
-)
 from mtp_train.export import export_head, main
 
 

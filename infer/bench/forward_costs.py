@@ -1,5 +1,5 @@
 """What one forward costs at a batch size, timed as a speculative step runs them: the prices behind the ideal
-speculative speedup (`infer.speedup`)."""
+speculative speedup (`infer.bench.speedup`)."""
 
 from __future__ import annotations
 
@@ -16,7 +16,7 @@ from infer.kv_cache import DecodeSteps, PageMetadata, PageTable, build_page_meta
 
 @dataclass
 class ForwardCosts:
-    """Seconds of one forward at a batch size, behind the ideal speculative speedup (see infer.speedup).
+    """Seconds of one forward at a batch size, behind the ideal speculative speedup (see infer.bench.speedup).
 
     draft, verify and catch_up are timed as a speculative step runs them, cycle after cycle: the two models take
     turns on the core's caches, as they would in a runtime with no host work at all. draft_alone, verify_alone and
