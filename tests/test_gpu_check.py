@@ -8,8 +8,7 @@ import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 from transformers import LlamaForCausalLM as HFLlama
 
-from infer import attention
-from infer.attention import TorchAttention
+from infer.attention import TorchAttention, buckets
 from infer.bench import gpu_check
 from infer.cli import run_cli
 from infer.engine import Engine, EngineConfig
@@ -87,8 +86,8 @@ def test_sdpa_masks_start_16_byte_aligned(stories_hf_dir, monkeypatch):
     """CUDA's fused SDPA kernels fault ("misaligned address", seen on an H200) on a mask whose start or row stride
     is off 16 bytes, as a decode run's step j > 0 was at odd key counts. Control: rows packed at their width."""
     assert _misaligned_sdpa_masks(stories_hf_dir) == 0
-    monkeypatch.setattr(attention, "MASK_ALIGN", 1)
-    monkeypatch.setattr(attention, "_MASK_TEMPLATES", {})
+    monkeypatch.setattr(buckets, "MASK_ALIGN", 1)
+    monkeypatch.setattr(buckets, "_MASK_TEMPLATES", {})
     assert _misaligned_sdpa_masks(stories_hf_dir) > 0
 
 
