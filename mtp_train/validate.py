@@ -41,7 +41,7 @@ from infer.bench.speedup import (
 from infer.cli import CliError, parse_floats, parse_ints, run_cli
 from infer.engine import Engine
 from infer.kv_cache import pages_needed
-from infer.loader import DTYPES
+from infer.loader import DTYPES, serve_lean
 from infer.models.common import ModelOutput
 from infer.models.mtp_head import DRAFTER_KINDS, DraftHead, attach_to_target, copy_head, load_head
 from infer.parallel import group_of, init_tp, on_rank0, serve_forever, tp_main, whole_weight
@@ -55,9 +55,9 @@ GAP_POINTS = 0.02  # trainer conditional top-1 vs runtime greedy conditional acc
 
 def serving_head(head: str | Path | DraftHead, model: nn.Module) -> DraftHead:
     """The head as the runtime serves it: loaded from its folder, or a copy of an in-memory head (the trainer's
-    module is left as it is) attached to the target."""
+    module is left as it is) attached to the target, lean as a loaded one."""
     if isinstance(head, DraftHead):
-        return attach_to_target(copy_head(head), model, where="the in-memory head")
+        return serve_lean(attach_to_target(copy_head(head), model, where="the in-memory head"))
     return load_head(head, model)
 
 

@@ -43,7 +43,7 @@ from infer.bench.tp_report import LLAMA_3_2_1B, write_random_llama
 from infer.cli import CliError, run_cli
 from infer.engine import Engine, EngineConfig
 from infer.kv_cache import PagePool, PageTable, build_page_metadata
-from infer.loader import load_model
+from infer.loader import load_model, serve_lean
 from infer.model_runner import ModelRunner
 from infer.models.mtp_head import init_head_from_target
 from infer.parallel import one_line
@@ -221,7 +221,7 @@ def spec_row(folder: Path, name: str, device: str, backend: str, new_tokens: int
     for kind in ("plain", "mtp"):
         engine = Engine(model, None, [], EngineConfig(max_num_seqs=1, num_pages=64, backend=backend, num_draft_tokens=k))
         if kind == "mtp":
-            engine.attach_drafter("mtp", init_head_from_target(model, name))
+            engine.attach_drafter("mtp", serve_lean(init_head_from_target(model, name)))
         run_engine(engine, prompt, SamplingParams(max_new_tokens=4, ignore_eos=True))  # warm-up
         seconds, tokens = best_of(repeats, lambda: run_engine(engine, prompt, params))
         speeds[kind] = tokens / seconds
