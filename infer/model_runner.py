@@ -14,17 +14,73 @@ A runner serves the model it is given as it is; a loader makes the models it loa
 from __future__ import annotations
 
 import time
+from dataclasses import dataclass
 
 import torch
 
-from infer.attention import FlashInferAttention, TorchAttention, resolve_backend_name
-from infer.kv_cache import PageMetadata
+from infer.attention import AttentionBackend, FlashInferAttention, TorchAttention, resolve_backend_name
+from infer.kv_cache import DecodeSteps, PageMetadata
 from infer.models.common import ModelOutput
 from infer.parallel import broadcast_step, group_of, register_runner
 
+DECODE_RUN_MAX_SEQS = 32  # decode runs serve batches up to this: past it the batch changes every few steps and a
+                          # step's plan is a small share of it (see docs/benchmark_history.md)
+
+
+@dataclass
+class _DecodeRun:
+    """A run's steps, the batch's requests in order, their kv lengths at its first step, and the next step."""
+
+    steps: DecodeSteps
+    request_ids: list[int]
+    first_kv_lens: list[int]
+    next: int = 1
+
+
+class DecodeRuns:
+    """Plain decode steps planned at once: while a batch stays the same requests in the same order, each step is
+    the next of a run built at once (`DecodeSteps`: one metadata build and one attention plan per run instead of
+    one per step; each step reads the run's last step's pages, masked). A run lasts up to twice as many steps as the
+    last one served (up to max_steps), so runs stay about as short as the batch stays the same."""
+
+    def __init__(self, attn: AttentionBackend, max_steps: int, page_size: int, device: torch.device) -> None:
+        self.attn, self.max_steps, self.page_size, self.device = attn, max_steps, page_size, device
+        self.next_steps = max_steps  # the most steps the next run may take
+        self._run: _DecodeRun | None = None
+
+    def next_step(self, request_ids: list[int], kv_lens: list[int]) -> PageMetadata | None:
+        """The batch's step of the current run where it continues it (the same requests in the same order, each
+        one token further, steps left); otherwise the run ends and None."""
+        run = self._run
+        if run is None:
+            return None
+        if (run.next < run.steps.num_steps and request_ids == run.request_ids
+                and kv_lens == [kv + run.next for kv in run.first_kv_lens]):
+            run.next += 1
+            return run.steps.step(run.next - 1)
+        self._run, self.next_steps = None, min(2 * run.next, self.max_steps)
+        return None
+
+    def fits(self, kv_lens: list[int]) -> bool:
+        """Whether a new run may serve a batch of one-token rows with these kv lengths: runs of more than one step,
+        up to DECODE_RUN_MAX_SEQS sequences, where the backend attends a run as it would attend each step
+        (`AttentionBackend.serves_decode_run`)."""
+        return self.max_steps > 1 and len(kv_lens) <= DECODE_RUN_MAX_SEQS and self.attn.serves_decode_run(kv_lens)
+
+    def start(self, request_ids: list[int], page_lists: list[list[int]], kv_lens: list[int],
+              steps: int) -> PageMetadata:
+        """A new run of `steps` steps over the batch, whose page tables already hold the pages its steps write;
+        returns its first step."""
+        first_positions = [kv - 1 for kv in kv_lens]
+        self._run = _DecodeRun(DecodeSteps(page_lists, first_positions, steps, self.page_size, self.device),
+                               list(request_ids), list(kv_lens))
+        return self._run.steps.step(0)
+
 
 class ModelRunner:
-    def __init__(self, model: torch.nn.Module, num_pages: int, page_size: int, backend: str = "auto") -> None:
+    def __init__(self, model: torch.nn.Module, num_pages: int, page_size: int, backend: str = "auto",
+                 decode_run_steps: int = 16) -> None:
+        """decode_run_steps: the longest run of plain decode steps planned at once (`decode_runs`; 1: none)."""
         self.model = model
         param = next(model.parameters())
         self.device, self.dtype = param.device, param.dtype
@@ -34,6 +90,7 @@ class ModelRunner:
             self.attn = FlashInferAttention(dtype=self.dtype, device=self.device, **model.attention_dims())
         else:
             self.attn = TorchAttention()
+        self.decode_runs = DecodeRuns(self.attn, decode_run_steps, page_size, self.device)
         self.tp = group_of(model)
         self.runner_id = register_runner(self) if self.tp.size > 1 else None  # the same on every rank
         # seconds this rank has spent in `run` (a forward and its broadcast): on a CPU the forwards' time, on a GPU

@@ -18,6 +18,11 @@ class AttentionBackend(Protocol):
 
     def plan(self, meta: PageMetadata) -> None: ...
 
+    def serves_decode_run(self, kv_lens: list[int]) -> bool:
+        """Whether a decode run (`DecodeSteps`, planned once on its first step) over sequences of these kv lengths
+        is attended as this backend would attend each of its steps alone."""
+        ...
+
     def attend(
         self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, kv_cache: torch.Tensor, scale: float
     ) -> torch.Tensor:

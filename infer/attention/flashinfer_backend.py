@@ -38,6 +38,9 @@ class FlashInferAttention:
         self._meta = meta
         self._planned_scale = None
 
+    def serves_decode_run(self, kv_lens: list[int]) -> bool:
+        return True  # each step is planned on its own metadata
+
     def _ensure_planned(self, scale: float) -> None:
         if self._planned_scale == scale:
             return

@@ -25,6 +25,9 @@ class PackedCausalAttention:
     def plan(self, meta: PageMetadata) -> None:
         raise TypeError("PackedCausalAttention has no paged plan; build it with the batch's sequence lengths")
 
+    def serves_decode_run(self, kv_lens: list[int]) -> bool:
+        return False  # no paged plan
+
     def attend(
         self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, kv_cache: torch.Tensor | None, scale: float
     ) -> torch.Tensor:

@@ -80,6 +80,11 @@ class TorchAttention:
             self.out_rows = torch.cat([g.out_rows for g in self.groups])  # where each group's outputs go
         self._mirror = None  # other sequences, or several groups: the next forward over one group gathers anew
 
+    def serves_decode_run(self, kv_lens: list[int]) -> bool:
+        """A run attends as one group, keys padded to the run's longest: not where a step would split the batch
+        by kv length (`kv_buckets`)."""
+        return len(kv_buckets(list(range(len(kv_lens))), kv_lens)) == 1
+
     def _keep_mirror(self, meta: PageMetadata, max_kv: int) -> KVMirror:
         """The mirror of this forward's sequences: the one kept, or a new one, whose blocks the layers build as they
         first read (the rows of the sequences the last one held copied from it, `KVMirror.inherit`; the others
