@@ -138,14 +138,14 @@ def serve_lean(model: torch.nn.Module) -> torch.nn.Module:
     returns the model. The loaders call it last (`load_model`, `load_head`); call it on a model built otherwise
     before serving it, after its last move to another device or dtype.
 
-    On a small model it is a sixth of a decode step (stories260K, one thread, plain decode: 1.21x tokens/s at batch
-    1, 1.15x at 8): `module(x)` dispatches hooks around each forward, and each `self.weight` or `self.mlp` is a
-    Python call into `__getattr__`. Each module gets a subclass of its own class whose __call__ calls its forward
-    (isinstance, names and state_dict are unchanged), and its parameters and submodules become instance attributes
-    too. nn.Module's __setattr__ drops such a copy when a parameter or submodule is replaced, so assign them as usual
-    (never through `_parameters` directly). A module with hooks (DeepSpeed ZeRO-3 places them on a model it trains)
-    keeps the full dispatch, and so does every module while a global hook is registered; a hook registered on a
-    module after this does not run (load with lean=False, hook, then call this).
+    On a small model that machinery is a sixth of a decode step (see docs/benchmark_history.md): `module(x)`
+    dispatches hooks around each forward, and each `self.weight` or `self.mlp` is a Python call into `__getattr__`.
+    Each module gets a subclass of its own class whose __call__ calls its forward (isinstance, names and state_dict
+    are unchanged), and its parameters and submodules become instance attributes too. nn.Module's __setattr__
+    drops such a copy when a parameter or submodule is replaced, so assign them as usual (never through
+    `_parameters` directly). A module with hooks (DeepSpeed ZeRO-3 places them on a model it trains) keeps the full
+    dispatch, and so does every module while a global hook is registered; a hook registered on a module after this
+    does not run (load with lean=False, hook, then call this).
     """
     if any(getattr(torch.nn.modules.module, name) for name in _GLOBAL_HOOKS):
         return model

@@ -107,7 +107,7 @@ class ModelRunner:
         """model_inputs: aux_layers=(...) for a language model, hidden_states=[T, H] for an MTP head.
 
         In inference mode, entered here unless the caller is in it already (`Engine.step` enters it once for its
-        five or so forwards: each entry costs about 5 us, a tenth of a speculative step's host work at batch 1)."""
+        five or so forwards: each entry costs host time, see docs/benchmark_history.md)."""
         if not torch.is_inference_mode_enabled():
             with torch.inference_mode():
                 return self.run(input_ids, meta, logits_indices, **model_inputs)

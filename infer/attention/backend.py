@@ -55,8 +55,8 @@ def kv_rows(slots: torch.Tensor, page_size: int) -> torch.Tensor:
 
 
 def cast(x: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
-    """x in dtype; x itself when it is already (`Tensor.to` returns it too, after a dispatch of 2 us: ten a step
-    of a five-layer model at batch 1, where a forward is op dispatch)."""
+    """x in dtype; x itself when it is already, without `Tensor.to`'s dispatch (a small model's forward is op
+    dispatch; see docs/benchmark_history.md)."""
     return x if x.dtype == dtype else x.to(dtype)
 
 

@@ -127,8 +127,8 @@ class QueryGroup:
         The G = H / Hkv query heads that share a KV head are folded into its query rows ([n, Hkv, q_len * G, Dk],
         row j * G + g: position j of query head g): one SDPA call without GQA reads each key once per KV head,
         where `enable_gqa` copies the keys and values out for every query head (G = every head for MLA's one
-        latent head). A view for decodes; longer queries pay a copy in and out, repaid from batch 8 on (verify
-        rows at K=4, stories260K: 0.87x the attention time at batch 8, the same at batch 1).
+        latent head). A view for decodes; longer queries pay a copy in and out, which the single call repays
+        (see docs/benchmark_history.md).
         """
         n, kv_heads, heads, dk = self.num_seqs, keys.shape[1], q.shape[1], q.shape[2]
         if self.rows is not None:
@@ -159,13 +159,10 @@ def attention(q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, mask: t
     SDPA, except for fp32 CPU queries of at least MATMUL_ATTENTION_MIN_SEQS sequences over a mirror's keys (each
     head's keys contiguous, row by row or, as the mirror keeps them for this path, transposed: each head's [Dk, L]
     rows of positions), where two batched matmuls and a softmax beat SDPA's CPU kernel, whose cost there goes to its
-    many tiny per-(sequence, head) tiles (stories260K, 4 KV heads of 8 dims, 90 keys, decodes / verify rows: 0.78x /
-    0.90x its time at batch 24, 0.85x / 0.87x at 16, 0.94x / 0.95x at 12, 1.13x / 1.00x at 8, 1.49x / 1.25x at 4;
-    infer.bench at batch 12 and 16, 1.00-1.02x tokens/s with the threshold at 12 against 24). Keys stored transposed
-    are what the scores' matmul reads (a [Dk, L] slice of rows), where keys stored row by row are copied transposed by
-    the matmul on every call (KVMirror): plain decoding at batch 32, the batched matmuls 0.83x their time, a step
-    0.97x. Values stored transposed too ([Dv, L]) are read by the second matmul as a transposed operand: at batch 32
-    0.78x its time over 72 keys, 0.68x over 200. A mask is added, and the scale applied, by the scores' matmul itself
+    many tiny per-(sequence, head) tiles (the threshold where they start to win: see docs/benchmark_history.md).
+    Keys stored transposed are what the scores' matmul reads (a [Dk, L] slice of rows), where keys stored row by row
+    are copied transposed by the matmul on every call (KVMirror); values stored transposed too ([Dv, L]) are read by
+    the second matmul as a transposed operand. A mask is added, and the scale applied, by the scores' matmul itself
     (baddbmm), the mask laid out for every KV head (`QueryGroup.sdpa_mask`: a view here, where one of one head would be
     copied out per call)."""
     if matmul_attention(q.shape[0], q.dtype, q.device) and keys.stride(-2) in (keys.shape[-1], 1):

@@ -20,8 +20,8 @@ class ForwardCosts:
 
     draft, verify and catch_up are timed as a speculative step runs them, cycle after cycle: the two models take
     turns on the core's caches, as they would in a runtime with no host work at all. draft_alone, verify_alone and
-    catch_up_alone, where measured, are each forward repeated back to back (stories260K, batch 8: 1.05-1.18x
-    cheaper than in turns), the price the ideal took before."""
+    catch_up_alone, where measured, are each forward repeated back to back: cheaper than in turns, a bound no
+    speculative step meets (see docs/benchmark_history.md)."""
 
     decode: float  # the target over one new token per sequence
     draft: float  # the drafter over one new token per sequence
@@ -75,13 +75,12 @@ def forward_costs(engine: Engine, batch_size: int, context: int = 32, repeats: i
     the drafter's forwards and a verify forward (`ForwardCosts`: the models take turns; a head's cycle opens with
     its catch-up over the K+1 verify rows, as each step's drafting does); the costs come from the
     fastest of `repeats` rounds, so that the ratios behind the ideal speedup are measured within the same tens of
-    milliseconds (the fastest burst of each kind came from different spells of this shared machine; a decode step
-    timed in turns with the speculative cycles, one after each, halved the spread of the ideal but cost 5-9% more
-    than back to back, as plain decoding runs it: an ideal 8% high). With `alone`, the draft, verify and catch-up
-    forwards are also timed in bursts of one forward repeated (the fastest of each). One forward's fastest time
-    sits below the mean that successive forwards keep (stories260K, batch 1, back to back: verify and draft
-    forwards average 1.10x and 1.11x their fastest), so timing them singly while decode is a run's mean would
-    price speculation's forwards low against plain decoding's.
+    milliseconds (the fastest burst of each kind would come from different spells of a shared machine). Decode is
+    timed back to back, as plain decoding runs it, not in turns with the speculative cycles, which would price it
+    high. With `alone`, the draft, verify and catch-up forwards are also timed in bursts of one forward repeated
+    (the fastest of each). Every cost is a burst's mean: one forward's fastest time sits below the mean that
+    successive forwards keep, so timing speculation's forwards singly would price them low against plain decoding's
+    (see docs/benchmark_history.md).
     """
     if engine.drafter is None:
         raise RuntimeError("forward costs of speculation need a drafter attached")
@@ -221,7 +220,7 @@ class _TimedForwards:
         each kind), beside `decode`: a head's catch-up, K-1 drafts (one at K=1, for its price) and the verify; a
         draft LM's K drafts and the verify. Each cycle's drafts are the steps of a fresh `DecodeSteps` run, built
         outside the timing as `Drafter.propose` builds them, so the drafts pay the run's plan and masks as a step's
-        do (one step's metadata, which no draft reads, priced them 8-10% low at batch 8)."""
+        do (one step's metadata, which no draft reads, would price them low)."""
         catch_ups, drafts, verifies = (Stopwatch(self.engine.device) for _ in range(3))
         with_catch_up = self.catch_up_rows is not None
         num_drafts = max(self.k - 1, 1) if with_catch_up else self.k

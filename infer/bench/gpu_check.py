@@ -167,7 +167,7 @@ def attention_parity(label: str, device: str,
 def compile_kernels(labels: list[str]) -> float:
     """FlashInfer compiles a head layout's kernels on first use (about 2 minutes each on 16 cores, one ninja build
     at a time per process): build every layout side by side first, one process each (`--warm LABEL`), so the checks
-    then run on cached kernels (3 layouts: 132 s against about 260 s one after another on an H200 machine). A layout
+    then run on cached kernels (about half the time of one after another; see docs/benchmark_history.md). A layout
     that fails to build is left to its check, which reports the error in its row. Returns the seconds spent."""
     start = time.perf_counter()
     procs = [subprocess.Popen([sys.executable, "-m", "infer.bench.gpu_check", "--stories", ".", "--warm", label],

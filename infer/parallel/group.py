@@ -69,9 +69,8 @@ class TPGroup:
         """Sum x over the ranks, in place.
 
         On gloo (CPU) as an all-gather and a sum in rank order, the same on every rank: gloo's all-reduce of a
-        decode step's activations waits on several more message hops than one all-gather (2 ranks on loopback:
-        1.7-1.9 ms against 0.7 ms for 64 floats, 1.4 against 0.8 ms for 32k), and a decoder layer all-reduces
-        twice. NCCL's all-reduce stays."""
+        decode step's activations waits on several more message hops than one all-gather, and a decoder layer
+        all-reduces twice (see docs/benchmark_history.md). NCCL's all-reduce stays."""
         if self.size == 1 or not x.numel():
             return x
         if not self.sum_by_gather:

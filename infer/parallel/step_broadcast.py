@@ -28,8 +28,8 @@ _META_INTS = tuple(f.name for f in dataclasses.fields(PageMetadata) if str(f.typ
 _HEADER_LEN = 2 + len(_META_INTS) + 3 * (4 + len(_META_TENSORS))
 _HEADER_BYTES = 8 * _HEADER_LEN
 # A step's tensors up to this many bytes ride in the header's broadcast, one collective a forward (a decode step's
-# ids and metadata at batch 32 take about 2 KB); larger ones follow in a second broadcast. On gloo (the 2-core CPU)
-# the header and a 2 KB buffer took 470-520 us as two broadcasts, 270-300 us as one of 8.6 KB, 310-350 us of 64 KB.
+# ids and metadata at batch 32 take about 2 KB); larger ones follow in a second broadcast. On gloo one broadcast of
+# the header with the bytes inlined beats two (see docs/benchmark_history.md).
 _INLINE_BYTES = 16 << 10
 _MODEL_INPUTS = ("aux_layers", "hidden_states")  # what a runner's model_inputs may carry
 
