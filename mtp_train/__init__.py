@@ -14,7 +14,9 @@ One job per file:
   trainer.py       the components composed: the step, evaluation, validation, the run, the exported head
   metrics.py       tqdm, metrics.jsonl, wandb
   train.py         the Hydra entry point (conf/config.yaml)
-  inspect.py       parameter counts and memory per GPU of any config, without weights
+  torchrun.py      torchrun's agent for launch/train.sh: one-line user errors, signals reach every worker
+  run_lock.py      one run per output folder
+  memory_plan.py   parameter counts and memory per GPU of any config, without weights
   measure_step.py  peak memory of one real-shaped training step (random weights)
   validate.py      the head served by infer/: conditional acceptance, tau, speedup, the trainer's figures on the same
                    text (also called by the trainer)

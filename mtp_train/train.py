@@ -18,7 +18,7 @@ import hydra
 from omegaconf import DictConfig
 
 from data_tools.config import CONF_DIR
-from mtp_train import launch, run_lock
+from mtp_train import run_lock, torchrun
 from mtp_train.config import TrainConfig  # noqa: F401 - registers the schema conf/config.yaml names
 
 
@@ -33,7 +33,7 @@ def main(cfg: DictConfig) -> None:
         with run_lock.hold(Path(cfg.output_dir)):  # before torch's start-up: a refused run ends at once
             train(cfg)
     except (ConfigError, run_lock.RunLockError) as err:
-        launch.exit_on_user_error(err)
+        torchrun.exit_on_user_error(err)
 
 
 def train(cfg: DictConfig) -> None:
@@ -43,7 +43,7 @@ def train(cfg: DictConfig) -> None:
     try:
         Trainer(cfg).fit()
     except USER_ERRORS as err:  # a config or data mistake: one line, no traceback
-        launch.exit_on_user_error(err)
+        torchrun.exit_on_user_error(err)
     finally:
         distributed.shutdown()
 
@@ -57,10 +57,10 @@ def precheck_overrides(argv: list[str]) -> None:
     try:
         compose_training([a for a in argv if "=" in a and not a.startswith("-")], complete=False)
     except ConfigError as err:
-        launch.exit_on_user_error(err)
+        torchrun.exit_on_user_error(err)
 
 
 if __name__ == "__main__":
-    launch.bind_to_launcher()
+    torchrun.bind_to_launcher()
     precheck_overrides(sys.argv[1:])
     sys.exit(main())

@@ -19,7 +19,7 @@ from mtp_train.data import PackedBatch, unroll_plan
 from data_tools.config import ConfigError
 from mtp_train.config import compose_training
 from mtp_train.heads import build_head
-from mtp_train.inspect import parameter_counts
+from mtp_train.memory_plan import parameter_counts
 from mtp_train.target import TargetError, load_target
 from mtp_train.trainer import param_groups
 from mtp_train.unroll import STATS, LossWeights, UnrolledHead
@@ -50,7 +50,7 @@ def test_every_model_config_composes_with_expected_counts(model):
 
 
 def compose(overrides: list[str]):
-    """The training config without features_dir, as inspect reads it."""
+    """The training config without features_dir, as memory_plan reads it."""
     return compose_training(overrides, complete=False)
 
 
