@@ -85,7 +85,7 @@ class ChainAttention:
     """infer's attention interface over the unroll of one packed batch (module docstring); no KV cache.
 
     Call `begin_step(records, seq_lens, starts)` before each unroll step: its runs of consecutive anchors (the step's
-    rows, `mtp_train.data.UnrollStep`), each run's record (index into the batch), length and first anchor. Step 0 runs
+    rows, `mtp_train.unroll.UnrollStep`), each run's record (index into the batch), length and first anchor. Step 0 runs
     over whole records; a later step's runs keep their first anchor and lose anchors from their end only. One
     attention layer per head.
     Attention runs in `dtype` (the training dtype) even under the trainer's bf16 autocast (`trainer.autocast`):

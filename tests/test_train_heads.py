@@ -15,14 +15,14 @@ from infer.kv_cache import build_page_metadata
 from infer.models.mtp_head import (
     HeadLoadError, MTPHead, MTPHeadConfig, init_head_from_target, load_head, save_head, shared_tensors_sha256,
 )
-from mtp_train.data import PackedBatch, unroll_plan
+from mtp_train.data import PackedBatch
 from data_tools.config import ConfigError
 from mtp_train.config import compose_training
 from mtp_train.heads import build_head
 from mtp_train.memory_plan import parameter_counts
 from mtp_train.target import TargetError, load_target
 from mtp_train.trainer import param_groups
-from mtp_train.unroll import STATS, LossWeights, UnrolledHead
+from mtp_train.unroll import STATS, LossWeights, UnrolledHead, unroll_plan
 
 pytestmark = pytest.mark.usefixtures("one_torch_thread")
 ROOT = Path(__file__).resolve().parents[1]
