@@ -28,7 +28,7 @@ def plan_70b():
 
 def test_the_70b_plan_fits_8_gpus_at_degrees_that_split_its_heads(plan_70b):
     cfg, plans = plan_70b
-    assert cfg.validate.enabled and cfg.validate.tp == 8  # validate_in_training, served over the 8 trainer GPUs
+    assert cfg.validate.enabled and cfg.validate.tp == 8  # conf/recipe/llama3_1_70b.yaml: served over the 8 trainer GPUs
     budget = 80 * GIB * (1 - HEADROOM)
     for key in ("precompute", "validation", "validation_configured", "training"):
         assert plans[key].fits and 0 < plans[key].total <= budget, key
