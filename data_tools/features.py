@@ -26,8 +26,8 @@ def verify_shards(root: Path, manifest: dict, part: int = 0, parts: int = 1,
                   gather: Callable[[list[str]], list[str]] = list) -> None:
     """Raise a DataError naming the first shard that is missing, truncated, unreadable or damaged.
 
-    Every shard's presence, size and header are checked (cheap); the full sha256 (0.6-0.9 s per GB and
-    process, the whole cost) only for shards part, part + parts, ... . Processes that read the same files share
+    Every shard's presence, size and header are checked (cheap); the full sha256 (the whole cost) only for shards
+    part, part + parts, ... . Processes that read the same files share
     the hashing that way: each hashes its part, and `gather` (an all-gather across them) hands every process
     every problem found, so all of them raise the same error together and none is left waiting in a collective.
     """

@@ -80,9 +80,9 @@ def open_features(path: str | Path, hidden_size: int, aux_layers: tuple[int, ...
     Every rank reads records of every shard, so every shard is hashed once per run on each node: the node's
     LOCAL_WORLD_SIZE processes (torchrun's; a plain run is a node of one) hash every LOCAL_WORLD_SIZE-th shard
     each and all ranks gather the problems found. Once per node rather than once per job, so node-local copies
-    of features_dir are covered too; the cost per rank is the dataset's bytes / LOCAL_WORLD_SIZE at 0.6-0.9 s
-    per GB (sha256 from page cache on one core; a cold disk may be slower). Any problem is a one-line
-    FeatureError naming the shard, raised on every rank alike.
+    of features_dir are covered too; the cost per rank is the dataset's bytes / LOCAL_WORLD_SIZE at sha256's speed
+    (docs/benchmark_history.md, "Figures moved out of the code"). Any problem is a one-line FeatureError naming the
+    shard, raised on every rank alike.
     """
     path = Path(path)
     if not (path / "manifest.json").is_file():
@@ -146,8 +146,7 @@ def pad_tokens(batch: PackedBatch, multiple: int) -> PackedBatch:
     multiple of `multiple` tokens.
 
     Why: a step's activations are allocated at the batch's token count, and a count new at every step fragments
-    glibc's heap, which then grows and slows every step (one process on the 2-core CPU: 1.10 -> 1.30 s a step over 50
-    steps unpadded; padded to 256, a flat 0.85-0.95 s, as one batch repeated; docs/benchmark_history.md)."""
+    glibc's heap, which then grows and slows every step (docs/benchmark_history.md, "Figures moved out of the code")."""
     extra = -batch.num_tokens % multiple
     if extra == 0:
         return batch
@@ -178,9 +177,8 @@ def deal_by_tokens(shares: list[list[int]], num_tokens: Callable[[int], int]) ->
     token counts come out as even as greedy gets (longest record first, each to the rank with the fewest tokens that
     still has room; ties to the lowest rank). A pure function of the shares, so every rank deals alike.
 
-    Why: data-parallel ranks wait at every step for the one with the most tokens. On the pipeline's stories (75-388
-    tokens, 8 records a rank) round robin leaves the heaviest rank 3.5% above the mean at two ranks and 8.3% at
-    eight (simulated over 2,000 batches); dealt, 0.5% and 0.9%. Chat data's lengths spread far wider."""
+    Why: data-parallel ranks wait at every step for the one with the most tokens; dealt, the heaviest rank sits far
+    closer to the mean than under round robin (docs/benchmark_history.md, "Figures moved out of the code")."""
     flat = [record for share in shares for record in share]
     tokens = [num_tokens(record) for record in flat]
     sizes = [len(share) for share in shares]
