@@ -15,7 +15,7 @@ import sys
 from pathlib import Path
 
 import hydra
-from omegaconf import DictConfig
+from omegaconf import DictConfig, OmegaConf
 
 from data_tools.config import CONF_DIR
 from mtp_train import run_lock, torchrun
@@ -41,7 +41,7 @@ def train(cfg: DictConfig) -> None:
     from mtp_train.trainer import USER_ERRORS, Trainer  # noqa: PLC0415
 
     try:
-        Trainer(cfg).fit()
+        Trainer(OmegaConf.to_object(cfg)).fit()  # the typed TrainConfig
     except USER_ERRORS as err:  # a config or data mistake: one line, no traceback
         torchrun.exit_on_user_error(err)
     finally:

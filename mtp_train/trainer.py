@@ -18,7 +18,6 @@ from dataclasses import asdict
 from pathlib import Path
 
 import torch
-from omegaconf import DictConfig, OmegaConf
 
 from data_tools.config import ConfigError
 from infer import parallel
@@ -28,6 +27,7 @@ from infer.loader import DTYPES, ModelLoadError
 from infer.models.mtp_head import HeadLoadError, save_head, shared_tensors_sha256
 from infer.prompts import PromptFileError, read_prompt_file
 from mtp_train import checkpoint, distributed, draft_vocab
+from mtp_train.config import TrainConfig
 from mtp_train.data import FeatureError, MicroBatches, eval_batches, open_features, reaching_every_step, split_records
 from mtp_train.heads import build_head
 from mtp_train.metrics import Metrics
@@ -59,9 +59,10 @@ def param_groups(head: torch.nn.Module, weight_decay: float) -> list[dict]:
 
 
 class Trainer:
-    """Built from a composed, checked config (mtp_train.config.TrainConfig); `fit` runs it to the exported head."""
+    """Built from the composed, checked config as its typed object (`OmegaConf.to_object`); `fit` runs it to the
+    exported head."""
 
-    def __init__(self, cfg: DictConfig) -> None:
+    def __init__(self, cfg: TrainConfig) -> None:
         self.cfg = cfg
         t = cfg.trainer
         self.rank, self.world, self.device = distributed.init(t.device)
@@ -141,7 +142,7 @@ class Trainer:
             "seed": cfg.seed, "eval_records": cfg.eval_records, "world_size": self.world,
             "micro_batch_size": t.micro_batch_size, "seq_len": t.seq_len, "grad_accum": t.grad_accum,
             "head": asdict(self.head.config) | {"target": None},
-            "loss": OmegaConf.to_container(cfg.loss, resolve=True),
+            "loss": asdict(cfg.loss),
         }
 
     # --- one optimizer step ----------------------------------------------------------------------------

@@ -35,11 +35,11 @@ from collections.abc import Iterator
 from dataclasses import dataclass, replace
 
 import torch
-from omegaconf import DictConfig
 from torch import nn
 
 from infer.models.common import ModelOutput, RMSNorm
 from infer.models.mtp_head import DraftHead
+from mtp_train.config import LossConfig
 from mtp_train.data import PackedBatch, anchors_reaching_every_step, window_segments
 from mtp_train.losses import distill_loss, feature_loss, target_distribution
 from mtp_train.ttt import ChainAttention
@@ -60,7 +60,7 @@ class LossWeights:
     chunk_tokens: int = 512
 
     @classmethod
-    def from_config(cls, loss: DictConfig) -> "LossWeights":
+    def from_config(cls, loss: LossConfig) -> "LossWeights":
         """From the `loss` node of the training config (mtp_train.config.LossConfig)."""
         return cls(kl=loss.kl, ce=loss.ce, feature=loss.feature, tv=loss.tv, step_decay=loss.step_decay,
                    chunk_tokens=loss.chunk_tokens)
