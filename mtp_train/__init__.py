@@ -5,10 +5,11 @@ One job per file:
   target.py        the target's config and its frozen shared tensors (embedding, lm_head, final norm), read by name
   heads.py         the head from conf/head (mtp | eagle1 | eagle3, norm switches) and its documented initialisation
   draft_vocab.py   an EAGLE-3 head's draft vocabulary: target probability mass (or frequency) on the features
-  data.py          micro batches of precomputed features, the train/eval split, the unroll's index plan (the shift)
+  data.py          micro batches of precomputed features, the train/eval split, the chain windows
   losses.py        the target's distribution once per micro batch; chunked KL / CE (fused with lm_head); SmoothL1
   ttt.py           training-time test: the unroll's attention, the prefix's step-0 keys plus the chain's own
-  unroll.py        the training forward: the head applied K times on its own hidden states; per-step statistics
+  unroll.py        the unroll's index plan (the shift), once per micro batch; the training forward: the head applied
+                   K times on its own hidden states; per-step statistics
   distributed.py   everything DeepSpeed: process group, the ZeRO-wrapped head, its checkpoints, gathering
   checkpoint.py    resume: DeepSpeed's folder guarded by the run's JSON identity
   trainer.py       the components composed: the step, evaluation, validation, the run, the exported head
