@@ -1,6 +1,6 @@
 """The typed configuration of every Hydra command, and the one way to compose it.
 
-`conf/` holds the YAML (model sizes, data, heads, trainers); the dataclasses here and in `mtp_train.config` are
+`conf/` holds the YAML (model shapes, data, heads, trainers, and per model its recipe: conf/recipe/); the dataclasses here and in `mtp_train.config` are
 its schema, registered with Hydra's ConfigStore and named first in the defaults of conf/precompute.yaml and
 conf/config.yaml. Hydra then converts and checks every value's type as it composes (`trainer.lr=abc` fails naming
 the key), and `check` tests each field's range, given as dataclass field metadata, once at start:
@@ -39,29 +39,10 @@ def one_of(*choices: str) -> dict:
 
 # --- shared by precompute and training --------------------------------------------------------------------------
 @dataclass
-class TrainerDefaults:
-    """A model size's recipe (8 GPUs); conf/trainer/_base.yaml reads these by interpolation."""
-
-    micro_batch_size: int = field(default=1, metadata=at_least(1))
-    seq_len: int = field(default=4096, metadata=at_least(1))
-    grad_accum: int = field(default=1, metadata=at_least(1))
-    lr: float = field(default=1e-4, metadata=at_least(0.0))
-    warmup_steps: int = field(default=0, metadata=at_least(0))
-    max_steps: int = field(default=1000, metadata=at_least(1))
-
-
-@dataclass
 class ModelConfig:
     name: str = MISSING
     path: str = MISSING  # the target's Hugging Face folder
     config: dict[str, Any] = field(default_factory=dict)  # the target's shapes when path has no config.json
-    trainer_defaults: TrainerDefaults = field(default_factory=TrainerDefaults)
-    validate_in_training: bool = True  # serve the head with infer/ at each evaluation (the target on validate_tp ranks)
-    validate_tp: int = field(default=1, metadata=at_least(1))  # ranks that serve the target in validation, 1/T each
-    draft_vocab_size: Optional[int] = field(default=None, metadata=at_least(1))  # EAGLE-3's, per target vocabulary
-    head_intermediate_size: Optional[int] = field(default=None, metadata=at_least(1))  # heads' MLP (null: the target's)
-    # EAGLE-3 heads' key/value heads (null: the target's)
-    head_num_key_value_heads: Optional[int] = field(default=None, metadata=at_least(1))
 
 
 @dataclass

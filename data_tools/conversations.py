@@ -215,10 +215,3 @@ def load_conversations(
             break
     report.kept = len(conversations)
     return conversations, report
-
-
-def load_prompt_set(path: str | Path, on_error: str = "fail") -> list[Conversation]:
-    """MT-bench / Spec-Bench question files (or any conversation file) as user-turn-only conversations."""
-    conversations, _ = load_conversations([path], LoadReport(on_error=on_error))
-    return [c if c.kind != "chat" else Conversation(c.source, "prompts", [m for m in c.messages if m["role"] != "assistant"], id=c.id)
-            for c in conversations]

@@ -6,8 +6,8 @@ access as slices of the memory-mapped safetensors file, so a dataset larger than
 gives a deterministic order per (seed, epoch) and each rank its own part of it (equal lengths on every rank,
 as DeepSpeed's data-parallel steps need).
 
-Logits are never stored: `next_token_logits` recomputes the target's next-token distribution from the stored
-pre-norm hidden states and the target's final norm and lm_head (mtp_train.target reads those two alone).
+Logits are never stored: training recomputes the target's next-token distribution from the stored pre-norm hidden
+states and the target's final norm and lm_head (`infer.models.common.final_logits`; mtp_train.target reads those two).
 """
 
 from __future__ import annotations
@@ -26,8 +26,8 @@ def verify_shards(root: Path, manifest: dict, part: int = 0, parts: int = 1,
                   gather: Callable[[list[str]], list[str]] = list) -> None:
     """Raise a DataError naming the first shard that is missing, truncated, unreadable or damaged.
 
-    Every shard's presence, size and header are checked (cheap); the full sha256 (0.6-0.9 s per GB and
-    process, the whole cost) only for shards part, part + parts, ... . Processes that read the same files share
+    Every shard's presence, size and header are checked (cheap); the full sha256 (the whole cost) only for shards
+    part, part + parts, ... . Processes that read the same files share
     the hashing that way: each hashes its part, and `gather` (an all-gather across them) hands every process
     every problem found, so all of them raise the same error together and none is left waiting in a collective.
     """
@@ -140,18 +140,3 @@ class EpochSampler(torch.utils.data.Sampler):
         if total > order.numel():
             order = torch.cat((order, order[: total - order.numel()]))
         return iter(order[:total][self.rank :: self.world_size].tolist())
-
-
-# --- logits from stored hidden states ----------------------------------------------------------------
-def next_token_logits(hidden: torch.Tensor, norm_weight: torch.Tensor, lm_head_weight: torch.Tensor,
-                      eps: float) -> torch.Tensor:
-    """The target's next-token logits from pre-norm hidden states [..., H]: RMSNorm then lm_head, fp32.
-
-    The norm is computed in fp32 and cast back to the weights' dtype before the weight multiply, as the Hugging
-    Face Llama files do.
-    """
-    dtype = norm_weight.dtype
-    x = hidden.float()
-    x = x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + eps)
-    x = norm_weight * x.to(dtype)
-    return (x @ lm_head_weight.to(x.dtype).T).float()

@@ -31,9 +31,7 @@ import argparse
 import functools
 import hashlib
 import json
-import os
 import shutil
-import signal
 import sys
 from dataclasses import dataclass
 from pathlib import Path
@@ -60,8 +58,6 @@ from infer.models.eagle3_head import head_aux_layers
 from infer.models.head_base import HeadLoadError
 from infer.parallel import init_tp, on_rank0
 
-# Tests: after this many shards, leave the next one's temp file torn (half of it) and SIGKILL the process.
-CRASH_ENV = "DATA_TOOLS_CRASH_AFTER_SHARDS"
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer.model", "tokenizer_config.json", "special_tokens_map.json",
                    "chat_template.jinja")
 HEADER_BYTES = 1024  # per-shard safetensors header, before the records' sources
@@ -272,26 +268,16 @@ class FeatureExtractor:
                 bar.update(row)
 
 
-def _crash_if_asked(written: int, f: BinaryIO) -> None:
-    """Test hook: leave a torn temp file behind (half of what was written) and die as a killed process would."""
-    crash_after = os.environ.get(CRASH_ENV)
-    if crash_after is not None and written == int(crash_after):
-        f.flush()
-        f.truncate(os.fstat(f.fileno()).st_size // 2)
-        os.kill(os.getpid(), signal.SIGKILL)
-
-
 # --- the run ------------------------------------------------------------------------------------------
 def write_shards(extractor: FeatureExtractor, plans: list[ShardPlan], out_dir: Path, progress: bool) -> None:
     """Compute and write `plans` (a replica's rank 0: the others run its forwards), each atomically."""
     bar = tqdm(total=sum(p.num_tokens for p in plans), desc="precompute", unit="tok", unit_scale=True,
                disable=not progress, dynamic_ncols=True)
-    for written, plan in enumerate(plans):
+    for plan in plans:
         meta = {"format": FORMAT, "shard": plan.index, "fingerprint": plan.fingerprint,
                 "sources": [r.source for r in plan.records]}
         with atomic_file(out_dir / plan.name) as f:
             extractor.write_shard(f, plan.records, meta, bar)
-            _crash_if_asked(written, f)
     bar.close()
 
 

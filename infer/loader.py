@@ -117,7 +117,7 @@ class CheckpointTensor:
 
 def build_on_meta(config: PretrainedConfig, tp: TPGroup) -> torch.nn.Module:
     """The architecture of `config` with `tp`'s rank's shard of every parameter, on the meta device: shapes
-    without storage (load_model fills them; mtp_train.inspect counts them)."""
+    without storage (load_model fills them; mtp_train.memory_plan counts them)."""
     module_name, class_name = MODEL_CLASSES[config.model_type].split(":")
     with torch.device("meta"):
         return getattr(importlib.import_module(module_name), class_name)(config, tp)

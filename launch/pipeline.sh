@@ -5,11 +5,11 @@
 #   3. precompute the target's features through infer/ (sharded safetensors + manifest), with the three layers an
 #      EAGLE-3 head fuses;
 #   4. train each head on the same features with DeepSpeed under torchrun (gloo on a CPU): TTT unroll of 4 steps,
-#      the recipe of conf/model/stories260k.yaml at 16 records a step, fp32 weights with the linear layers in bf16
-#      (trainer.autocast, on GPUs and CPUs with native bf16 matmuls: on AVX512-BF16 4.5x faster than fp32, where
-#      an AVX2-only CPU emulates them 9x slower, so there they stay fp32); CHAIN_SHARE=0.5 unrolls steps 1-3 over
-#      half of each record's anchors, in about 0.55x the time, for slightly weaker heads; on a CPU the heads
-#      train side by side, one process each on the 2-core CPU (below); each head's output goes to OUT/run-HEAD.log;
+#      the recipe of conf/recipe/stories260k.yaml at 16 records a step, fp32 weights with the linear layers in bf16
+#      (trainer.autocast) where bf16 matmuls are native (an AVX2-only CPU emulates them, so there they stay fp32);
+#      CHAIN_SHARE=0.5 unrolls steps 1-3 over half of each record's anchors, faster, for slightly weaker heads; on
+#      a CPU the heads train side by side (below); each head's output goes to OUT/run-HEAD.log (timings behind these
+#      choices: docs/benchmark_history.md);
 #   5. validate each in infer/ (speculative decoding on 64 held-out story openings x 128 tokens: conditional
 #      acceptance per position, tau, speedup, the trainer's per-step top-1 on the same text);
 #   6. export each head in the runtime format (EAGLE-3 also as eagle3 and speculators), with its recommended K;
@@ -33,7 +33,7 @@ NPROC=${NPROC:-}               # torchrun processes per head (default: on a CPU,
 K=${K:-4}                      # draft tokens per step when validating
 THREADS=${THREADS:-1}          # torch threads per process: tiny models run best on one
 AUTOCAST=${AUTOCAST:-auto}     # heads' linear layers in bf16 (trainer.autocast): auto = where bf16 matmuls are native
-CHAIN_SHARE=${CHAIN_SHARE:-1}  # loss.chain_share: 0.5 unrolls half the anchors, about 0.55x the training time
+CHAIN_SHARE=${CHAIN_SHARE:-1}  # loss.chain_share: 0.5 unrolls half the anchors, for less training time
 export OMP_NUM_THREADS=$THREADS
 for head in $HEADS; do  # before the stages that take minutes
   if [ ! -f "conf/head/$head.yaml" ]; then
@@ -56,9 +56,8 @@ if [ ! -f "$MODEL/config.json" ]; then
     --tokenizer "$ASSETS/stories260K/llama2c/tok512.bin" --out "$MODEL"
 fi
 
-# Self-distilled stories from BOS, half sampled at T=1 and half at T=0.7 (seeds continue: story i has seed i). The
-# mix is the best of three data recipes measured on the 64 x 128 validation: greedy tau 3.17 (T=1 only), 3.31
-# (T=0.7 only, T=1 tau falling 2.69 -> 2.61), 3.32 (the mix, T=1 tau 2.66).
+# Self-distilled stories from BOS, half sampled at T=1 and half at T=0.7 (seeds continue: story i has seed i): the
+# best of three data recipes on the validation (docs/benchmark_history.md, "Figures moved out of the code").
 HALF=$(( STORIES / 2 ))
 DATA_T1=$OUT/data/stories_t1.jsonl
 DATA_T07=$OUT/data/stories_t07.jsonl
@@ -136,10 +135,8 @@ build_head() {
 }
 
 # Heads side by side: on a CPU each head trains in its own processes, JOBS at a time, rather than one after another
-# on all cores. Data-parallel ranks wait at every step for the slower one, and a bigger micro batch spreads a step's
-# fixed costs: on the 2-core CPU (first 40-60 steps of each) an mtp and an eagle3 training of one process and 16
-# records a step moved 5.3k + 5.8k tokens/s side by side, one two-process mtp training of 8 + 8 records 7.7k (the
-# same global batch of BATCH records, the same recipe). On GPUs, one head at a time on all of them.
+# on all cores: data-parallel ranks wait at every step for the slower one, and a bigger micro batch spreads a step's
+# fixed costs (docs/benchmark_history.md, "Figures moved out of the code"). On GPUs, one head at a time on all of them.
 heads=($HEADS)
 if $on_gpus; then
   JOBS=${JOBS:-1}

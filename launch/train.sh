@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # Head training under torchrun, one node or many; every argument is a Hydra override for mtp_train.train.
-# It runs torchrun's agent through mtp_train.launch, in this script's own process (exec), which guarantees:
+# It runs torchrun's agent through mtp_train.torchrun, in this script's own process (exec), which guarantees:
 #   - a user's mistake (features of another hidden size, a missing folder, output_dir in use by another run) is
 #     one line, printed once for all of this node's ranks, exit code 2, without torchrun's traceback box;
 #   - SIGTERM, SIGINT and SIGHUP to this script are forwarded to the workers (exit 128 + the signal), and no
@@ -40,4 +40,4 @@ else
 fi
 
 set -x
-exec "${PYTHON:-python}" -m mtp_train.launch "${dist_args[@]}" -m mtp_train.train "$@"
+exec "${PYTHON:-python}" -m mtp_train.torchrun "${dist_args[@]}" -m mtp_train.train "$@"

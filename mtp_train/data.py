@@ -1,21 +1,10 @@
-"""Micro batches from precomputed features, and the index plan of the multi-step unroll.
+"""Micro batches from precomputed features, and the anchors each unrolls (mtp_train.unroll plans the unroll).
 
 A micro batch packs `micro_batch_size` records (each cut to `seq_len` tokens) back to back, then one loss-masked
 padding sequence up to a multiple of `trainer.pad_tokens_to` tokens (`pad_tokens`). Its n-th micro batch on a rank
 is a pure function of (seed, n): epoch n // per_epoch of an `EpochSampler`, slice n % per_epoch of every rank's
 order, dealt among the ranks by tokens (`deal_by_tokens`). The trainer asks for micro batch step * grad_accum + a,
 so a resumed run, which knows only its step count, reads exactly the records the uninterrupted run would have read.
-
-The shift (record of L tokens t_0..t_{L-1}, stored target states h_0..h_{L-1}; h_j predicts t_{j+1}):
-  unroll step k = 0..K-1, head position i = 0..L-2-k (L-1-k positions):
-    token input        t_{i+1+k}
-    hidden input       h_i for k = 0; the head's own output at position i of step k-1 otherwise
-    position           i + k (where the runtime's drafter puts it)
-    targets            the target's distribution at i+1+k (softmax(lm_head(norm(h_{i+1+k})))), its argmax,
-                       and h_{i+1+k} for the feature loss
-    trained when       loss_mask[i+1+k]: the token fed in is an assistant token
-Step k at anchor i attends to the step-0 keys of anchors 0..i and to its own chain's keys of steps 1..k at anchor
-i, as the runtime's drafter does (mtp_train.ttt); a step's anchors are a prefix of the previous step's.
 
 With `loss.chain_share` below 1, steps 1..K-1 run over a window of each record's anchors (`chain_windows`: that share
 of the anchors that reach every step, from a random anchor on, wrapping around to anchor 0), step 0 over all: every
@@ -69,16 +58,6 @@ class PackedBatch:
                            self.seq_lens, self.record_ids, aux, self.chain_windows)
 
 
-@dataclass
-class UnrollStep:
-    token_index: torch.Tensor  # [T_k] into the packed batch: t_{i+1+k}, h_{i+1+k}, loss_mask[i+1+k]
-    prev_index: torch.Tensor  # [T_k] into the previous step's hidden states (step 0: the packed h_i)
-    positions: torch.Tensor  # [T_k] i + k
-    seq_lens: list[int]  # per segment (a run of consecutive anchors of one record) with positions at this step
-    records: list[int]  # each segment's record: its index in the batch
-    starts: list[int]  # each segment's first anchor
-
-
 def anchors_reaching_every_step(length: int, num_steps: int) -> int:
     """The n anchors 0..n-1 of a record that reach every unroll step: anchor i's last step reads token i + num_steps."""
     return max(length - num_steps, 0)
@@ -94,53 +73,6 @@ def window_segments(window: tuple[int, int], n: int) -> list[tuple[int, int]]:
     return [(first, n), (0, first + count - n)]
 
 
-def unroll_plan(seq_lens: list[int], num_steps: int, device: torch.device | str = "cpu",
-                chain_windows: list[tuple[int, int]] | None = None) -> list[UnrollStep]:
-    """Each unroll step's index plan (the module docstring's shift): a step's rows are segments of consecutive
-    anchors, one per record (anchors 0..L-2-k) or, past step 0 with chain_windows, its window's runs."""
-    steps: list[UnrollStep] = []
-    offsets = [sum(seq_lens[:r]) for r in range(len(seq_lens))]  # each record's first token in the packed batch
-    prev_rows = {(r, 0): offsets[r] for r in range(len(seq_lens))}  # step 0 reads h_i from the packed batch
-    for k in range(num_steps):
-        token_index, prev_index, positions, lens, records, firsts = [], [], [], [], [], []
-        rows: dict[tuple[int, int], int] = {}  # (record, first anchor) -> the segment's first row in this step
-        out = 0
-        for r, length in enumerate(seq_lens):
-            n = length - 1 - k
-            if n <= 0:
-                continue
-            if k == 0 or chain_windows is None:
-                segments = [(0, n)]
-            else:  # a window lies within the anchors that reach every step: none drops out
-                segments = window_segments(chain_windows[r], anchors_reaching_every_step(length, num_steps))
-            for first, end in segments:
-                i = torch.arange(first, end)
-                token_index.append(offsets[r] + i + 1 + k)
-                # step 1 of a window reads step 0's whole-record segment; later steps the window's own segment
-                prev = prev_rows[(r, first)] - first if (r, first) in prev_rows else prev_rows[(r, 0)]
-                prev_index.append(prev + i)
-                positions.append(i + k)
-                rows[(r, first)] = out
-                out += end - first
-                lens.append(end - first)
-                records.append(r)
-                firsts.append(first)
-        if not lens:
-            break
-        steps.append(UnrollStep(torch.cat(token_index).to(device), torch.cat(prev_index).to(device),
-                                torch.cat(positions).to(device), lens, records, firsts))
-        prev_rows = rows
-    return steps
-
-
-def step_token_counts(batch: PackedBatch, num_steps: int) -> torch.Tensor:
-    """[num_steps] trained positions per unroll step (the loss's normaliser, summed over ranks and micro batches)."""
-    counts = torch.zeros(num_steps)
-    for k, step in enumerate(unroll_plan(batch.seq_lens, num_steps, chain_windows=batch.chain_windows)):
-        counts[k] = batch.loss_mask[step.token_index].sum()
-    return counts
-
-
 def open_features(path: str | Path, hidden_size: int, aux_layers: tuple[int, ...] = ()) -> FeatureDataset:
     """The features with the aux layers a head reads (infer's layer indices, in the head's order), every shard
     checked against the manifest before training reads it (size, header, sha256).
@@ -148,9 +80,9 @@ def open_features(path: str | Path, hidden_size: int, aux_layers: tuple[int, ...
     Every rank reads records of every shard, so every shard is hashed once per run on each node: the node's
     LOCAL_WORLD_SIZE processes (torchrun's; a plain run is a node of one) hash every LOCAL_WORLD_SIZE-th shard
     each and all ranks gather the problems found. Once per node rather than once per job, so node-local copies
-    of features_dir are covered too; the cost per rank is the dataset's bytes / LOCAL_WORLD_SIZE at 0.6-0.9 s
-    per GB (sha256 from page cache on one core; a cold disk may be slower). Any problem is a one-line
-    FeatureError naming the shard, raised on every rank alike.
+    of features_dir are covered too; the cost per rank is the dataset's bytes / LOCAL_WORLD_SIZE at sha256's speed
+    (docs/benchmark_history.md, "Figures moved out of the code"). Any problem is a one-line FeatureError naming the
+    shard, raised on every rank alike.
     """
     path = Path(path)
     if not (path / "manifest.json").is_file():
@@ -189,7 +121,7 @@ def split_records(num_records: int, eval_records: int, seed: int) -> tuple[list[
 def reaching_every_step(dataset: FeatureDataset, indices: list[int], num_steps: int) -> list[int]:
     """The records with an anchor that reaches every unroll step: num_steps + 1 tokens or more.
 
-    Why: a micro batch with no such record runs fewer head forwards than `num_steps` (`unroll_plan` stops where no
+    Why: a micro batch with no such record runs fewer head forwards than `num_steps` (`mtp_train.unroll.unroll_plan` stops where no
     record has a position left, and a chain window holds only anchors that reach every step), and under ZeRO-3 every
     forward gathers the head's parameters with a collective: a rank that stops early leaves the others waiting for
     ever. Such records train at most num_steps - 1 positions at step 0."""
@@ -214,8 +146,7 @@ def pad_tokens(batch: PackedBatch, multiple: int) -> PackedBatch:
     multiple of `multiple` tokens.
 
     Why: a step's activations are allocated at the batch's token count, and a count new at every step fragments
-    glibc's heap, which then grows and slows every step (one process on the 2-core CPU: 1.10 -> 1.30 s a step over 50
-    steps unpadded; padded to 256, a flat 0.85-0.95 s, as one batch repeated; docs/benchmark_history.md)."""
+    glibc's heap, which then grows and slows every step (docs/benchmark_history.md, "Figures moved out of the code")."""
     extra = -batch.num_tokens % multiple
     if extra == 0:
         return batch
@@ -246,9 +177,8 @@ def deal_by_tokens(shares: list[list[int]], num_tokens: Callable[[int], int]) ->
     token counts come out as even as greedy gets (longest record first, each to the rank with the fewest tokens that
     still has room; ties to the lowest rank). A pure function of the shares, so every rank deals alike.
 
-    Why: data-parallel ranks wait at every step for the one with the most tokens. On the pipeline's stories (75-388
-    tokens, 8 records a rank) round robin leaves the heaviest rank 3.5% above the mean at two ranks and 8.3% at
-    eight (simulated over 2,000 batches); dealt, 0.5% and 0.9%. Chat data's lengths spread far wider."""
+    Why: data-parallel ranks wait at every step for the one with the most tokens; dealt, the heaviest rank sits far
+    closer to the mean than under round robin (docs/benchmark_history.md, "Figures moved out of the code")."""
     flat = [record for share in shares for record in share]
     tokens = [num_tokens(record) for record in flat]
     sizes = [len(share) for share in shares]

@@ -15,7 +15,8 @@ from dataclasses import dataclass
 
 import torch
 
-from data_tools.features import FeatureDataset, next_token_logits
+from data_tools.features import FeatureDataset
+from infer.models.common import final_logits
 from mtp_train.target import Target
 
 RULES = ("probability", "frequency")
@@ -33,7 +34,7 @@ def token_scores(dataset: FeatureDataset, indices: list[int], target: Target, ma
                  chunk: int = 4096) -> TokenScores:
     """Both scores over the records `indices` in order, until max_tokens trained positions were read."""
     vocab = target.config.vocab_size
-    lm_head, norm = target.shared.lm_head.weight, target.norm_weight
+    lm_head = target.shared.lm_head.weight
     mass = torch.zeros(vocab, dtype=torch.float64, device=lm_head.device)
     count = torch.zeros(vocab, dtype=torch.float64, device=lm_head.device)
     positions = 0
@@ -45,7 +46,7 @@ def token_scores(dataset: FeatureDataset, indices: list[int], target: Target, ma
         trained = record["loss_mask"][1:].nonzero().flatten()[: max_tokens - positions]
         hidden = record["hidden_states"][trained].to(lm_head.device, lm_head.dtype)
         for start in range(0, hidden.shape[0], chunk):
-            logits = next_token_logits(hidden[start:start + chunk], norm, lm_head, target.eps)
+            logits = final_logits(target.shared.final_norm, target.shared.lm_head, hidden[start:start + chunk])
             mass += torch.softmax(logits, -1).sum(0, dtype=torch.float64)
         count += torch.bincount(record["input_ids"][1:][trained].to(count.device), minlength=vocab).double()
         positions += int(trained.numel())

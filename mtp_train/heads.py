@@ -31,10 +31,10 @@ from __future__ import annotations
 from pathlib import Path
 
 import torch
-from omegaconf import DictConfig
 from torch import nn
 from transformers import PretrainedConfig
 
+from data_tools.config import HeadConfig
 from infer.models.deepseek_v2 import DeepseekV2ForCausalLM
 from infer.models.llama import LlamaDecoderLayer
 from infer.models.mtp_head import DraftHead, MTPHeadConfig, head_config_for, head_module, target_identity
@@ -43,7 +43,7 @@ from mtp_train.target import Target, TargetError, read_tensors
 SWITCHES = ("enorm", "hnorm", "final_norm", "proj_bias", "layer_input_norm")
 
 
-def head_config(config: PretrainedConfig, head_cfg: DictConfig, identity: dict) -> MTPHeadConfig:
+def head_config(config: PretrainedConfig, head_cfg: HeadConfig, identity: dict) -> MTPHeadConfig:
     """MTPHeadConfig for a target config and a conf/head entry (its switches as given, not the defaults).
 
     head.architecture and head.init were checked when the config was composed (data_tools.config.HeadConfig)."""
@@ -55,10 +55,10 @@ def head_config(config: PretrainedConfig, head_cfg: DictConfig, identity: dict) 
                            draft_vocab_size=head_cfg.draft_vocab_size if eagle3 else None,
                            trainable_lm_head=bool(head_cfg.trainable_lm_head) if eagle3 else False,
                            norm_before_residual=bool(head_cfg.norm_before_residual) if eagle3 else False,
-                           **{name: head_cfg[name] for name in SWITCHES})
+                           **{name: getattr(head_cfg, name) for name in SWITCHES})
 
 
-def build_head(target: Target, head_cfg: DictConfig, path: str, dtype: torch.dtype = torch.float32) -> DraftHead:
+def build_head(target: Target, head_cfg: HeadConfig, path: str, dtype: torch.dtype = torch.float32) -> DraftHead:
     """The trainable head, initialised as documented above and attached to the target's shared tensors."""
     identity = target_identity(target.name, target.config, target.shared_sha256, path)
     head = head_module(head_config(target.config, head_cfg, identity))

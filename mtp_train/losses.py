@@ -29,8 +29,9 @@ from dataclasses import dataclass
 
 import torch
 import torch.nn.functional as F
+from torch import nn
 
-from data_tools.features import next_token_logits
+from infer.models.common import final_logits
 
 
 @dataclass
@@ -46,23 +47,25 @@ class TargetDistribution:
 
 
 @torch.no_grad()
-def target_distribution(hidden: torch.Tensor, norm_weight: torch.Tensor, lm_head_weight: torch.Tensor, eps: float,
-                        draft_ids: torch.Tensor | None, chunk: int) -> TargetDistribution:
-    """p from the target's pre-norm hidden states [T, H]; draft_ids [Vd] target ids (None: the whole vocabulary)."""
+def target_distribution(hidden: torch.Tensor, norm: nn.Module, lm_head: nn.Linear, draft_ids: torch.Tensor | None,
+                        chunk: int) -> TargetDistribution:
+    """p from the target's pre-norm hidden states [T, H] through its final norm and lm_head; draft_ids [Vd] target
+    ids (None: the whole vocabulary)."""
     if chunk < 1:
         raise ValueError(f"loss.chunk_tokens must be >= 1, got {chunk}")
     tokens = hidden.shape[0]
-    draft_vocab = lm_head_weight.shape[0] if draft_ids is None else draft_ids.numel()
+    vocab = lm_head.weight.shape[0]
+    draft_vocab = vocab if draft_ids is None else draft_ids.numel()
     probs = torch.empty(tokens, draft_vocab, dtype=hidden.dtype, device=hidden.device)
     greedy = torch.empty(tokens, dtype=torch.long, device=hidden.device)
     neg_entropy = torch.empty(tokens, dtype=torch.float32, device=hidden.device)
     to_draft = None
     if draft_ids is not None:  # target id -> draft index, -1 outside
-        to_draft = torch.full((lm_head_weight.shape[0],), -1, dtype=torch.long, device=hidden.device)
+        to_draft = torch.full((vocab,), -1, dtype=torch.long, device=hidden.device)
         to_draft[draft_ids] = torch.arange(draft_vocab, device=hidden.device)
     for start in range(0, tokens, chunk):
         end = min(start + chunk, tokens)
-        logits = next_token_logits(hidden[start:end], norm_weight, lm_head_weight, eps)  # [c, V] fp32
+        logits = final_logits(norm, lm_head, hidden[start:end])  # [c, V] fp32
         top = logits.argmax(-1)
         if to_draft is not None:
             logits, top = logits[:, draft_ids], to_draft[top]

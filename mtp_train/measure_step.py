@@ -6,7 +6,7 @@ Builds the model's head (random init) and random shared tensors in fp32 on the C
 seq_len tokens of random features, and runs two steps of forward, backward and AdamW (plain torch, fp32: what
 a CPU run keeps; the second step has the optimizer's moments), then prints the peak resident-set growth over
 the process's baseline (before any weight exists) next to
-`mtp_train.inspect`'s analytic minimum for the same step.
+`mtp_train.memory_plan`'s analytic minimum for the same step.
 """
 
 from __future__ import annotations
@@ -24,7 +24,7 @@ from infer.models.mtp_head import SharedTargetWeights, head_module
 from mtp_train.data import PackedBatch
 from mtp_train.config import compose_training
 from mtp_train.heads import head_config, init_random
-from mtp_train.inspect import memory_estimate
+from mtp_train.memory_plan import memory_estimate
 from mtp_train.target import Target, target_config
 from mtp_train.unroll import LossWeights, UnrolledHead
 

@@ -4,16 +4,18 @@ metrics.jsonl (every record); wandb (disabled/offline/online)."""
 from __future__ import annotations
 
 import json
+from dataclasses import asdict
 from pathlib import Path
 
-from omegaconf import DictConfig, OmegaConf
 from tqdm import tqdm
+
+from mtp_train.config import TrainConfig
 
 WANDB_MODES = ("disabled", "offline", "online")
 
 
 class Metrics:
-    def __init__(self, cfg: DictConfig, rank: int, start_step: int, total_steps: int, out_dir: Path) -> None:
+    def __init__(self, cfg: TrainConfig, rank: int, start_step: int, total_steps: int, out_dir: Path) -> None:
         self.enabled = rank == 0
         if cfg.wandb.mode not in WANDB_MODES:
             raise ValueError(f"wandb.mode={cfg.wandb.mode!r}: choose one of {WANDB_MODES}")
@@ -29,7 +31,7 @@ class Metrics:
             import wandb  # noqa: PLC0415
 
             self.run = wandb.init(project=cfg.wandb.project, name=cfg.wandb.name, mode=cfg.wandb.mode,
-                                  dir=str(out_dir), config=OmegaConf.to_container(cfg, resolve=True), resume="allow")
+                                  dir=str(out_dir), config=asdict(cfg), resume="allow")
 
     def log(self, record: dict) -> None:
         if not self.enabled or not record:

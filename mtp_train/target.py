@@ -19,6 +19,7 @@ from safetensors import safe_open
 from torch import nn
 from transformers import AutoConfig, PretrainedConfig
 
+from data_tools.config import ModelConfig
 from infer.loader import load_config, safetensors_files
 from infer.models.common import RMSNorm
 from infer.models.mtp_head import SharedTargetWeights, shared_tensors_sha256
@@ -30,9 +31,9 @@ class TargetError(ValueError):
     """A target that cannot be trained against; the message names the file or config field."""
 
 
-def target_config(model_cfg: DictConfig, need_weights: bool) -> PretrainedConfig:
+def target_config(model_cfg: ModelConfig | DictConfig, need_weights: bool) -> PretrainedConfig:
     """The target's config: its folder's config.json when present, else the shapes written in conf/model/*.yaml."""
-    path = Path(str(model_cfg.path)) if model_cfg.get("path") else None
+    path = Path(str(model_cfg.path)) if getattr(model_cfg, "path", None) else None
     if path is not None and (path / "config.json").is_file():
         return load_config(path)
     if need_weights:
@@ -64,7 +65,7 @@ class Target:
         return float(self.config.rms_norm_eps)
 
 
-def load_target(model_cfg: DictConfig, dtype: torch.dtype, device: torch.device | str = "cpu") -> Target:
+def load_target(model_cfg: ModelConfig, dtype: torch.dtype, device: torch.device | str = "cpu") -> Target:
     config = target_config(model_cfg, need_weights=True)
     path = Path(str(model_cfg.path))
     tied = bool(getattr(config, "tie_word_embeddings", False))

@@ -16,10 +16,10 @@ import sys
 from pathlib import Path
 
 import hydra
-from omegaconf import DictConfig
+from omegaconf import DictConfig, OmegaConf
 
 from data_tools.config import CONF_DIR
-from mtp_train import launch, run_lock
+from mtp_train import run_lock, torchrun
 from mtp_train.config import TrainConfig  # noqa: F401 - registers the schema conf/config.yaml names
 
 
@@ -34,7 +34,7 @@ def main(cfg: DictConfig) -> None:
         with run_lock.hold(Path(cfg.output_dir)):  # before torch's start-up: a refused run ends at once
             train(cfg)
     except (ConfigError, run_lock.RunLockError) as err:
-        launch.exit_on_user_error(err)
+        torchrun.exit_on_user_error(err)
 
 
 def train(cfg: DictConfig) -> None:
@@ -42,12 +42,12 @@ def train(cfg: DictConfig) -> None:
     from mtp_train.trainer import USER_ERRORS, Trainer  # noqa: PLC0415
 
     try:
-        Trainer(cfg).fit()
+        Trainer(OmegaConf.to_object(cfg)).fit()  # the typed TrainConfig
     except BaseException as err:
         # No barrier on the way out: the peers may be waiting in a collective this rank will never join. Its exit
         # ends theirs (torchrun's agent stops the other workers; a peer's gloo collective fails at once).
         if isinstance(err, USER_ERRORS):  # a config or data mistake: one line, no traceback
-            launch.exit_on_user_error(err)
+            torchrun.exit_on_user_error(err)
         if distributed.peer_failed(err):  # the other rank's error is the one to read: no second traceback
             print(f"note: rank {os.environ.get('RANK', 0)} stopped: {str(err).splitlines()[0]}", file=sys.stderr)
             raise SystemExit(1) from err
@@ -64,10 +64,10 @@ def precheck_overrides(argv: list[str]) -> None:
     try:
         compose_training([a for a in argv if "=" in a and not a.startswith("-")], complete=False)
     except ConfigError as err:
-        launch.exit_on_user_error(err)
+        torchrun.exit_on_user_error(err)
 
 
 if __name__ == "__main__":
-    launch.bind_to_launcher()
+    torchrun.bind_to_launcher()
     precheck_overrides(sys.argv[1:])
     sys.exit(main())

@@ -18,7 +18,6 @@ from dataclasses import asdict
 from pathlib import Path
 
 import torch
-from omegaconf import DictConfig, OmegaConf
 
 from data_tools.config import ConfigError
 from infer import parallel
@@ -28,12 +27,12 @@ from infer.loader import DTYPES, ModelLoadError
 from infer.models.mtp_head import HeadLoadError, save_head, shared_tensors_sha256
 from infer.prompts import PromptFileError, read_prompt_file
 from mtp_train import checkpoint, distributed, draft_vocab
-from mtp_train.data import (FeatureError, MicroBatches, eval_batches, open_features, reaching_every_step, split_records,
-                            step_token_counts)
+from mtp_train.config import TrainConfig
+from mtp_train.data import FeatureError, MicroBatches, eval_batches, open_features, reaching_every_step, split_records
 from mtp_train.heads import build_head
 from mtp_train.metrics import Metrics
 from mtp_train.target import TargetError, load_target
-from mtp_train.unroll import STATS, LossWeights, UnrolledHead, per_step_means
+from mtp_train.unroll import STATS, LossWeights, UnrolledHead, batch_plan, per_step_means, step_token_counts
 from mtp_train.validate import validate_head
 
 USER_ERRORS = (ConfigError, TargetError, FeatureError, checkpoint.ResumeError, HeadLoadError,
@@ -60,9 +59,10 @@ def param_groups(head: torch.nn.Module, weight_decay: float) -> list[dict]:
 
 
 class Trainer:
-    """Built from a composed, checked config (mtp_train.config.TrainConfig); `fit` runs it to the exported head."""
+    """Built from the composed, checked config as its typed object (`OmegaConf.to_object`); `fit` runs it to the
+    exported head."""
 
-    def __init__(self, cfg: DictConfig) -> None:
+    def __init__(self, cfg: TrainConfig) -> None:
         self.cfg = cfg
         t = cfg.trainer
         self.rank, self.world, self.device = distributed.init(t.device, t.collective_timeout_s)
@@ -91,6 +91,7 @@ class Trainer:
                                           self.world, t.pad_tokens_to, cfg.loss.chain_share,
                                           cfg.loss.unroll_steps)
         self.eval_set = eval_batches(dataset, eval_ids, t.micro_batch_size, t.seq_len, self.rank, self.world)
+        self.eval_plans = [batch_plan(b, self.num_steps) for b in self.eval_set]
         self.identity = self.run_identity(dataset.manifest)
 
         self.zero_head = distributed.ZeroHead(self.objective, param_groups(self.head, t.weight_decay),
@@ -143,12 +144,12 @@ class Trainer:
             "seed": cfg.seed, "eval_records": cfg.eval_records, "world_size": self.world,
             "micro_batch_size": t.micro_batch_size, "seq_len": t.seq_len, "grad_accum": t.grad_accum,
             "head": asdict(self.head.config) | {"target": None},
-            "loss": OmegaConf.to_container(cfg.loss, resolve=True),
+            "loss": asdict(cfg.loss),
         }
 
     # --- one optimizer step ----------------------------------------------------------------------------
-    def normalisers(self, batches) -> torch.Tensor:
-        counts = sum(step_token_counts(b, self.num_steps) for b in batches)
+    def normalisers(self, batches, plans) -> torch.Tensor:
+        counts = sum(step_token_counts(b, plan, self.num_steps) for b, plan in zip(batches, plans))
         counts = distributed.all_reduce_sum(counts.to(self.device))
         return counts / (self.world * len(batches))  # DeepSpeed's averaging over ranks and micro batches undone
 
@@ -156,12 +157,13 @@ class Trainer:
         accum = self.cfg.trainer.grad_accum
         start = time.perf_counter()
         batches = [self.micro_batches(self.step * accum + a) for a in range(accum)]
-        norms = self.normalisers(batches)
+        plans = [batch_plan(b, self.num_steps) for b in batches]  # once per micro batch: counted, then unrolled
+        norms = self.normalisers(batches, plans)
         totals = torch.zeros(self.num_steps, len(STATS), device=self.device)
         loss_sum = torch.zeros((), device=self.device)
         self.zero_head.train()
-        for batch in batches:
-            loss, stats = self.zero_head(batch.to(self.device, self.dtype), norms)
+        for batch, plan in zip(batches, plans):
+            loss, stats = self.zero_head(batch.to(self.device, self.dtype), norms, plan)
             self.zero_head.backward_and_step(loss)
             loss_sum += loss.detach().float() / (self.world * accum)
             totals += stats
@@ -180,11 +182,12 @@ class Trainer:
     @torch.no_grad()
     def evaluate(self) -> dict:
         self.zero_head.eval()
-        counts = sum((step_token_counts(b, self.num_steps) for b in self.eval_set), torch.zeros(self.num_steps))
+        counts = sum((step_token_counts(b, plan, self.num_steps) for b, plan in zip(self.eval_set, self.eval_plans)),
+                     torch.zeros(self.num_steps))
         counts = distributed.all_reduce_sum(counts.to(self.device))
         totals, loss = torch.zeros(self.num_steps, len(STATS), device=self.device), torch.zeros((), device=self.device)
-        for batch in self.eval_set:
-            batch_loss, stats = self.zero_head(batch.to(self.device, self.dtype), counts)
+        for batch, plan in zip(self.eval_set, self.eval_plans):
+            batch_loss, stats = self.zero_head(batch.to(self.device, self.dtype), counts, plan)
             totals, loss = totals + stats, loss + batch_loss.float()
         reduced = distributed.all_reduce_sum(torch.cat((loss[None], totals.flatten())))
         return {"split": "eval", "step": self.step, "loss": reduced[0].item(),

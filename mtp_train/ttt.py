@@ -37,8 +37,8 @@ import torch
 import torch.nn.functional as F
 from torch.nn.attention.bias import causal_lower_right
 
-PAD_DIM = 16  # head dims padded to a multiple of this: zeros change nothing, and fused kernels (CPU flash: 1.2-2.8x
-# faster at 16 than at stories260K's 8; GPU kernels want multiples of 8) run their fast paths
+PAD_DIM = 16  # head dims padded to a multiple of this: zeros change nothing, and fused kernels run their fast paths
+# (GPU kernels want multiples of 8; CPU flash at 16 against stories260K's 8: docs/benchmark_history.md)
 
 
 def chain_attention(q: torch.Tensor, k0: torch.Tensor, v0: torch.Tensor, chain_k: torch.Tensor, chain_v: torch.Tensor,
@@ -85,11 +85,11 @@ class ChainAttention:
     """infer's attention interface over the unroll of one packed batch (module docstring); no KV cache.
 
     Call `begin_step(records, seq_lens, starts)` before each unroll step: its runs of consecutive anchors (the step's
-    rows, `mtp_train.data.UnrollStep`), each run's record (index into the batch), length and first anchor. Step 0 runs
+    rows, `mtp_train.unroll.UnrollStep`), each run's record (index into the batch), length and first anchor. Step 0 runs
     over whole records; a later step's runs keep their first anchor and lose anchors from their end only. One
     attention layer per head.
     Attention runs in `dtype` (the training dtype) even under the trainer's bf16 autocast (`trainer.autocast`):
-    on CPU, bf16 SDPA is slower than fp32 (stories260K shapes: backward 1.7x), unlike the head's matmuls.
+    on CPU, bf16 SDPA is slower than fp32, unlike the head's matmuls (docs/benchmark_history.md).
     """
 
     output_rows = None  # every row

@@ -2,8 +2,6 @@
 
     python -m mtp_train.validate --target DIR --head DIR [--prompts FILE.jsonl] [--num-draft-tokens K]
         [--max-new-tokens N] [--temperatures 0,1] [--recommend-for 1,8,32] [--out DIR] [--run-dir RUN_DIR]
-    python -m mtp_train.validate model=stories260k output_dir=outputs/stories260k-mtp   # the trainer's config
-    python -m mtp_train.validate model.path=DIR head_dir=DIR prompts=FILE.jsonl          # the same, as overrides
 
 On held-out prompts (default: infer.prompts.VALIDATION_PROMPTS, 64 story openings, 128 new tokens each), for each
 temperature (greedy and T=1 by default): the conditional acceptance at each draft position k (drafts accepted at k /
@@ -14,9 +12,8 @@ continuations: the trainer's own unroll (mtp_train.unroll: TTT attention, the he
 per-step top-1 and its conditional top-1 on the same text; more than 2 points between that and the runtime's
 greedy conditional acceptance at any position sets `gap_flag`. docs/validation.md says what each figure means.
 
-CLI outputs in --out (default ./validation): report.json and plots (mtp_train.report). Hydra: key=value arguments
-compose conf/config.yaml as the trainer does; the target is model.path, the head head_dir (default
-${output_dir}/head), the run dir output_dir, and prompts=FILE. Flags win over overrides.
+CLI outputs in --out (default ./validation): report.json and plots (mtp_train.report); a training run's folder is
+--head RUN/head --run-dir RUN.
 """
 
 from __future__ import annotations
@@ -31,7 +28,6 @@ from typing import NamedTuple
 import torch
 from torch import nn
 
-from data_tools.config import ConfigError
 from infer.attention import PackedCausalAttention
 from infer.bench.forward_costs import ForwardCosts
 from infer.bench.speedup import (
@@ -47,8 +43,8 @@ from infer.models.mtp_head import DRAFTER_KINDS, DraftHead, attach_to_target, co
 from infer.parallel import group_of, init_tp, on_rank0, serve_forever, tp_main, whole_weight
 from infer.prompts import VALIDATION_PROMPTS, read_prompt_file
 from infer.sampling_params import SamplingParams
-from mtp_train.data import PackedBatch, step_token_counts, unroll_plan
-from mtp_train.unroll import LossWeights, UnrolledHead, per_step_means
+from mtp_train.data import PackedBatch
+from mtp_train.unroll import LossWeights, UnrolledHead, batch_plan, per_step_means, step_token_counts
 
 GAP_POINTS = 0.02  # trainer conditional top-1 vs runtime greedy conditional acceptance, per position
 
@@ -92,7 +88,8 @@ def trainer_replay(model: nn.Module, head: DraftHead, sequences: list[list[int]]
     lens = [len(seq) for seq in sequences]
     batch = PackedBatch(torch.tensor([t for seq in sequences for t in seq], device=device), out.hidden_states, mask,
                         lens, list(range(len(sequences))), aux)
-    counts = step_token_counts(batch, k)
+    plan = batch_plan(batch, k)
+    counts = step_token_counts(batch, plan, k)
     shared = head.shared
     if group_of(model).size > 1:  # the loss scores whole lm_head rows: gather the vocabulary shards (every rank)
         lm_head = nn.Linear(model.config.hidden_size, model.config.vocab_size, bias=False, device="meta")
@@ -100,12 +97,12 @@ def trainer_replay(model: nn.Module, head: DraftHead, sequences: list[list[int]]
         head.shared = dataclasses.replace(shared, lm_head=lm_head)
     try:
         objective = UnrolledHead(head, model.model.norm.weight, float(model.config.rms_norm_eps), k, LossWeights())
-        _, stats, agreement = objective(batch, counts.to(device), return_agreement=True)
+        _, stats, agreement = objective(batch, counts.to(device), plan, return_agreement=True)
     finally:
         head.shared = shared
     means = per_step_means(stats.cpu(), counts)
     per_record: list[list[list[bool]]] = [[[] for _ in range(k)] for _ in sequences]  # [record][step][anchor]
-    for j, (step, agree) in enumerate(zip(unroll_plan(lens, k), agreement)):
+    for j, (step, agree) in enumerate(zip(plan, agreement)):
         for r, rows in zip(step.records, agree.split(step.seq_lens)):
             per_record[r][j] = rows.tolist()
     reached, accepted = [0] * k, [0] * k
@@ -337,8 +334,8 @@ def tokenize_prompts(served: Engine, prompts: list[str] | list[list[int]]) -> li
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="python -m mtp_train.validate", description=__doc__,
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--target", type=Path, help="the target's Hugging Face folder (default: model.path)")
-    parser.add_argument("--head", type=Path, help="the head folder (default: head_dir, else ${output_dir}/head)")
+    parser.add_argument("--target", type=Path, required=True, help="the target's Hugging Face folder")
+    parser.add_argument("--head", type=Path, required=True, help="the head folder (a training run's RUN/head)")
     parser.add_argument("--prompts", type=Path, help="JSONL prompts: 'prompt', 'text' or 'turns' (MT-bench, "
                                                      "Spec-Bench); default: 64 held-out story openings")
     parser.add_argument("--num-draft-tokens", type=int, default=4, help="K, drafts per step (default 4)")
@@ -358,41 +355,14 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--threads", type=int, help="torch intra-op threads (tiny models on a busy CPU: 1)")
     parser.add_argument("--tp", type=int, default=1, help="tensor-parallel ranks serving the target and the head; run "
                                                           "under torchrun --nproc_per_node TP")
-    parser.add_argument("overrides", nargs="*", metavar="KEY=VALUE",
-                        help="Hydra overrides of conf/config.yaml (model=..., model.path=..., output_dir=..., "
-                             "head_dir=..., prompts=...)")
     return parser
-
-
-OWN_KEYS = ("head_dir", "prompts")  # validation's keys beside the trainer's config
-
-
-def paths_from_config(overrides: list[str]) -> dict:
-    """target, head, prompts and run dir from the trainer's config composed with `overrides`."""
-    from mtp_train.config import compose_training  # noqa: PLC0415 - Hydra only when overrides are used
-
-    own = {key: value for key, _, value in (o.partition("=") for o in overrides) if key in OWN_KEYS}
-    rest = [o for o in overrides if o.partition("=")[0] not in OWN_KEYS]
-    try:
-        cfg = compose_training(rest, complete=False)  # features_dir is not needed here
-    except ConfigError as err:
-        raise CliError(f"overrides {' '.join(overrides)}: {err}") from err
-    return {"target": Path(cfg.model.path), "head": Path(own.get("head_dir") or f"{cfg.output_dir}/head"),
-            "prompts": Path(own["prompts"]) if own.get("prompts") else None, "run_dir": Path(cfg.output_dir)}
 
 
 def main(argv: list[str] | None = None) -> int:
     from mtp_train.report import read_run_metrics, write_outputs, format_report  # noqa: PLC0415 - matplotlib
 
-    args = build_parser().parse_intermixed_args(argv)
-    bad = [o for o in args.overrides if "=" not in o]
-    if bad:
-        raise CliError(f"unexpected argument {bad[0]!r}: overrides are KEY=VALUE")
-    needs_config = args.overrides or args.target is None or args.head is None
-    from_config = paths_from_config(args.overrides) if needs_config else {}
-    target, head = args.target or from_config.get("target"), args.head or from_config.get("head")
-    prompts_file = args.prompts or from_config.get("prompts")
-    run_dir = args.run_dir or from_config.get("run_dir")
+    args = build_parser().parse_args(argv)
+    target, head, prompts_file, run_dir = args.target, args.head, args.prompts, args.run_dir
     temperatures = tuple(parse_floats(args.temperatures, "--temperatures"))
     recommend_for = () if args.recommend_for.strip().lower() == "none" else tuple(
         parse_ints(args.recommend_for, "--recommend-for"))
@@ -400,7 +370,7 @@ def main(argv: list[str] | None = None) -> int:
         raise CliError(f"target folder {target} does not exist")
     if not head.is_dir():
         raise CliError(f"head folder {head} does not exist")
-    if run_dir is not None and args.run_dir is not None and not run_dir.is_dir():
+    if run_dir is not None and not run_dir.is_dir():
         raise CliError(f"--run-dir {run_dir} does not exist")
     metrics = read_run_metrics(run_dir)
 

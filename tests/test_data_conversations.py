@@ -7,7 +7,7 @@ from pathlib import Path
 
 import pytest
 
-from data_tools.conversations import DataError, LoadReport, load_conversations, load_prompt_set
+from data_tools.conversations import DataError, LoadReport, load_conversations
 from data_tools.tokenize import ChatFormat
 
 
@@ -46,7 +46,8 @@ def test_messages_jsonl_text_and_datasets_folder(tmp_path: Path) -> None:
 
 @pytest.mark.parametrize("name", ["mt_bench_question.jsonl", "spec_bench_question.jsonl"])
 def test_prompt_sets(assets_dir: Path, name: str) -> None:
-    prompts = load_prompt_set(assets_dir / "eval" / name)
+    """MT-bench / Spec-Bench question files read as user-turn-only conversations."""
+    prompts, _ = load_conversations([assets_dir / "eval" / name])
     assert len(prompts) == 80 if name.startswith("mt") else len(prompts) == 480
     assert all(p.kind == "prompts" and all(m["role"] == "user" for m in p.messages) for p in prompts)
     assert len(prompts[0].messages) == 2  # MT-bench questions have two turns

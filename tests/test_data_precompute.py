@@ -17,9 +17,10 @@ from safetensors import safe_open
 
 from data_tools import precompute
 from data_tools.config import compose
-from data_tools.features import EpochSampler, FeatureDataset, next_token_logits
+from data_tools.features import EpochSampler, FeatureDataset
 from data_tools.shards import MANIFEST, sha256_file, temp_path
 from infer.cli import run_cli
+from infer.models.common import final_logits
 from mtp_train.target import load_target
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -67,8 +68,7 @@ def subprocess_env() -> dict[str, str]:
 def test_hidden_states_equal_transformers(baseline: Baseline, stories_reference, stories_hf_dir: Path) -> None:
     dataset = FeatureDataset(baseline.dir, aux_layers=AUX_LAYERS)
     target = load_target(OmegaConf.create({"name": "stories260k", "path": str(stories_hf_dir)}), torch.float32)
-    head = lambda hidden: next_token_logits(hidden, target.norm_weight, target.shared.lm_head.weight,  # noqa: E731
-                                            target.eps)
+    head = lambda hidden: final_logits(target.shared.final_norm, target.shared.lm_head, hidden)  # noqa: E731
     layers = stories_reference.model.layers
     captured = {}
     hook = layers[-1].register_forward_hook(lambda m, args, out: captured.update(last=out[0] if isinstance(out, tuple) else out))
@@ -142,8 +142,8 @@ def test_dataset_reads_records_and_sampler_is_deterministic(baseline: Baseline, 
 
 def test_kill_then_rerun_gives_identical_bytes(baseline: Baseline, assets_dir: Path, tmp_path: Path, capsys) -> None:
     out_dir = tmp_path / "killed"
-    command = [sys.executable, "-m", "data_tools.precompute", *overrides(assets_dir, out_dir)]
-    killed = subprocess.run(command, env={**subprocess_env(), precompute.CRASH_ENV: "1"}, cwd=ROOT,
+    command = [sys.executable, "-m", "tests.kill_after_shards", "1", *overrides(assets_dir, out_dir)]
+    killed = subprocess.run(command, env=subprocess_env(), cwd=ROOT,
                             capture_output=True, text=True, timeout=120)
     assert killed.returncode == -signal.SIGKILL, killed.stderr
     first = out_dir / "shard-00000-of-00003.safetensors"

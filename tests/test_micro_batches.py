@@ -15,7 +15,8 @@ import statistics
 
 import torch
 
-from mtp_train.data import MicroBatches, deal_by_tokens, reaching_every_step, step_token_counts, unroll_plan
+from mtp_train.data import MicroBatches, deal_by_tokens, reaching_every_step
+from mtp_train.unroll import step_token_counts, unroll_plan
 
 
 class LengthsOnly:
@@ -98,7 +99,7 @@ def test_chain_windows_unroll_each_anchor_with_the_share_and_come_back_after_a_r
                     picked[(record, a % reach)] = picked.get((record, a % reach), 0) + 1
             steps = unroll_plan(batch.seq_lens, 4, chain_windows=batch.chain_windows)
             assert len(steps) == 4 and all(sum(step.seq_lens) == unrolled for step in steps[1:])
-            assert step_token_counts(batch, 4)[1] == unrolled  # the loss's normalisers count just those positions
+            assert step_token_counts(batch, steps, 4)[1] == unrolled  # the loss's normalisers count just those positions
     # every anchor, first and last included, is unrolled about as often as the share says
     edges, middles = [], []
     for (record, a), times in picked.items():

@@ -25,7 +25,7 @@ from infer.models.mtp_head import copy_head, shared_weights
 from mtp_train.data import PackedBatch
 from mtp_train.engine_loaders import engine_layer_ids
 from mtp_train.export import export_head
-from mtp_train.unroll import unrolled_steps
+from mtp_train.unroll import batch_plan, unrolled_steps
 from tests import speculators_env
 from tests.test_export import eagle3_head
 
@@ -54,7 +54,7 @@ def head_and_inputs(head, target, ids: torch.Tensor, cases: dict[str, list[int]]
                         torch.stack([aux[layer] for layer in head.target_aux_layers], dim=1))
     with torch.no_grad():
         ours = [head.compute_logits(step_out.hidden_states)[:, head.draft_token_ids()]
-                for _, step_out in unrolled_steps(head, batch, STEPS)]
+                for _, step_out in unrolled_steps(head, batch, batch_plan(batch, STEPS))]
     return ours, {name: torch.cat([aux[layer] for layer in case], dim=-1)[:-1].contiguous()
                   for name, case in cases.items()}
 

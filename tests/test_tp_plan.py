@@ -1,4 +1,4 @@
-"""mtp_train.inspect's tensor-parallel plan, from the configs' shapes on the meta device (no weights): the 70B
+"""mtp_train.memory_plan's tensor-parallel plan, from the configs' shapes on the meta device (no weights): the 70B
 target fits one node of 8 x 80 GB for precompute and for validation in training, at degrees that split its heads."""
 
 from __future__ import annotations
@@ -8,7 +8,7 @@ import torch
 
 from data_tools.config import compose
 from mtp_train.config import compose_training
-from mtp_train.inspect import GIB, HEADROOM, main, precompute_terms, tp_plan, validation_terms
+from mtp_train.memory_plan import GIB, HEADROOM, main, precompute_terms, tp_plan, validation_terms
 
 # Llama-3.1-70B's shapes (conf/model/llama3_1_70b.yaml)
 H, V, I, L, HEADS, KV_HEADS, D = 8192, 128256, 28672, 80, 64, 8, 128
@@ -28,7 +28,7 @@ def plan_70b():
 
 def test_the_70b_plan_fits_8_gpus_at_degrees_that_split_its_heads(plan_70b):
     cfg, plans = plan_70b
-    assert cfg.validate.enabled and cfg.validate.tp == 8  # validate_in_training, served over the 8 trainer GPUs
+    assert cfg.validate.enabled and cfg.validate.tp == 8  # conf/recipe/llama3_1_70b.yaml: served over the 8 trainer GPUs
     budget = 80 * GIB * (1 - HEADROOM)
     for key in ("precompute", "validation", "validation_configured", "training"):
         assert plans[key].fits and 0 < plans[key].total <= budget, key
@@ -50,7 +50,7 @@ def test_the_plans_terms_match_hand_computation(plan_70b):
     assert plans["validation"].terms["gathered_head"] == 989_896_704 * 2  # ZeRO-3 gathers the whole bf16 head
 
 
-def test_inspect_prints_each_stage_with_its_degree(capsys):
+def test_memory_plan_prints_each_stage_with_its_degree(capsys):
     assert main(["model=deepseek_v2_lite"]) == 0
     out = capsys.readouterr().out
     lines = [line for line in out.splitlines() if line.startswith("  precompute") or line.startswith("  validation")]

@@ -15,21 +15,21 @@ from infer.kv_cache import build_page_metadata
 from infer.models.mtp_head import (
     HeadLoadError, MTPHead, MTPHeadConfig, init_head_from_target, load_head, save_head, shared_tensors_sha256,
 )
-from mtp_train.data import PackedBatch, unroll_plan
+from mtp_train.data import PackedBatch
 from data_tools.config import ConfigError
 from mtp_train.config import compose_training
 from mtp_train.heads import build_head
-from mtp_train.inspect import parameter_counts
+from mtp_train.memory_plan import parameter_counts
 from mtp_train.target import TargetError, load_target
 from mtp_train.trainer import param_groups
-from mtp_train.unroll import STATS, LossWeights, UnrolledHead
+from mtp_train.unroll import STATS, LossWeights, UnrolledHead, unroll_plan
 
 pytestmark = pytest.mark.usefixtures("one_torch_thread")
 ROOT = Path(__file__).resolve().parents[1]
 
 # (trainable, decoder layer, projection, frozen shared), mtp head
 EXPECTED = {
-    "stories260k": (284_992, 276_608, 8_192, 32_768),  # the head MLP 8x the target's (model.head_intermediate_size)
+    "stories260k": (284_992, 276_608, 8_192, 32_768),  # the head MLP 8x the target's (conf/recipe/stories260k.yaml)
     "llama3_2_1b": (69_216_256, 60_821_504, 8_388_608, 262_668_288),
     "llama3_1_8b": (251_678_720, 218_112_000, 33_554_432, 1_050_673_152),
     "llama3_1_70b": (989_896_704, 855_654_400, 134_217_728, 2_101_346_304),
@@ -50,7 +50,7 @@ def test_every_model_config_composes_with_expected_counts(model):
 
 
 def compose(overrides: list[str]):
-    """The training config without features_dir, as inspect reads it."""
+    """The training config without features_dir, as memory_plan reads it."""
     return compose_training(overrides, complete=False)
 
 
@@ -280,7 +280,7 @@ def test_deepseek_target_head_init_and_training_step(tmp_path):
                               num_experts_per_tok=2, n_shared_experts=1, first_k_dense_replace=1,
                               max_position_embeddings=128)
     HFDeepseekV2(config).save_pretrained(tmp_path)
-    cfg = compose([f"model.path={tmp_path}", "model.name=tiny_dsv2", "model.head_intermediate_size=null"])
+    cfg = compose([f"model.path={tmp_path}", "model.name=tiny_dsv2", "head.intermediate_size=null"])
     target = load_target(cfg.model, torch.float32)
     head = build_head(target, cfg.head, str(tmp_path))
     reference = load_model(tmp_path)

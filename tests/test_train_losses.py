@@ -8,15 +8,25 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from data_tools.features import next_token_logits
+from infer.models.common import RMSNorm
 from mtp_train.losses import distill_loss, feature_loss, target_distribution
+
+
+def _target_modules(norm_weight, lm_head_weight, eps=1e-5):
+    """The target's final norm and lm_head as modules around the given weights."""
+    norm = RMSNorm(norm_weight.shape[0], eps)
+    norm.weight = torch.nn.Parameter(norm_weight, requires_grad=False)
+    lm_head = torch.nn.Linear(*lm_head_weight.shape[::-1], bias=False)
+    lm_head.weight = torch.nn.Parameter(lm_head_weight, requires_grad=False)
+    return norm, lm_head
 
 
 def reference_distill_loss(x, head_weight, target_hidden, norm_weight, lm_head_weight, token_weight, eps, w_kl, w_ce,
                            draft_ids=None, w_tv=0.0):
     """The same loss with the whole [T, V] logits materialised, by plain autograd: the tests' reference."""
     log_q = torch.log_softmax(F.linear(x, head_weight).float(), dim=-1)
-    target_logits = next_token_logits(target_hidden, norm_weight, lm_head_weight, eps)
+    x = target_hidden.float()
+    target_logits = (norm_weight * (x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + eps))) @ lm_head_weight.T
     top = target_logits.argmax(-1)
     drafted = torch.ones_like(top, dtype=torch.bool)
     if draft_ids is not None:
@@ -48,7 +58,7 @@ def test_chunked_equals_materialised_value_and_gradient(chunk, w_kl, w_ce, w_tv,
     x, lm_head, target, norm, mask = _inputs()
     draft_ids = torch.arange(0, 101, 2) if vocab == "draft" else None  # half the vocabulary: some argmaxes outside
     head_weight = (lm_head if draft_ids is None else lm_head[draft_ids]).clone().requires_grad_()
-    dist = target_distribution(target, norm, lm_head, 1e-5, draft_ids, chunk=7)
+    dist = target_distribution(target, *_target_modules(norm, lm_head), draft_ids, chunk=7)
     loss, stats, agree = distill_loss(x, head_weight, dist, mask, w_kl, w_ce, chunk, w_tv)
     grad, grad_w = torch.autograd.grad(loss * 1.7, (x, head_weight))  # a non-unit upstream gradient
     ref, log_p, log_q, top = reference_distill_loss(x, head_weight, target, norm, lm_head, mask, 1e-5, w_kl, w_ce,
@@ -72,7 +82,7 @@ def test_chunked_equals_materialised_value_and_gradient(chunk, w_kl, w_ce, w_tv,
 
 def test_loss_mask_respected_and_kl_zero_when_head_equals_target():
     x, lm_head, target, norm, mask = _inputs()
-    dist = target_distribution(target, norm, lm_head, 1e-5, None, chunk=8)
+    dist = target_distribution(target, *_target_modules(norm, lm_head), None, chunk=8)
     normed = (target * torch.rsqrt(target.pow(2).mean(-1, keepdim=True) + 1e-5) * norm).detach().requires_grad_()
     loss, stats, _ = distill_loss(normed, lm_head, dist, mask, 1.0, 0.0, 8)
     assert abs(loss.item()) < 1e-5 and stats[2].item() == mask.sum().item()
@@ -86,4 +96,4 @@ def test_loss_mask_respected_and_kl_zero_when_head_equals_target():
     assert feature_loss(x, x.detach() + (1 - mask)[:, None] * 3, mask).item() == 0.0
     # rows of the distribution are the distribution of those rows
     rows = torch.tensor([3, 0, 3])
-    torch.testing.assert_close(dist.rows(rows).probs, target_distribution(target[rows], norm, lm_head, 1e-5, None, 2).probs)
+    torch.testing.assert_close(dist.rows(rows).probs, target_distribution(target[rows], *_target_modules(norm, lm_head), None, 2).probs)

@@ -351,7 +351,7 @@ def test_deepseek_moe_head_trains_with_deepspeed_and_exports_as_sglang_builds_ne
     out = tmp_path / "run"
     _train(out, features, tiny_deepseek, ["model.name=tiny_dsv2", "head.mlp=moe", "head.hidden_state=post_norm",
                                           "trainer.max_steps=3", "trainer.eval_every=0", "trainer.save_every=0",
-                                          "eval_records=4", "model.validate_in_training=false"])
+                                          "eval_records=4", "validate.enabled=false"])
     steps = _train_steps(out)
     assert sorted(steps) == [1, 2, 3] and all(r["loss"] > 0 for r in steps.values())
     target = load_model(tiny_deepseek)

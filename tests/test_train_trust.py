@@ -21,7 +21,7 @@ TRUST = ["trainer=zero3", "trainer.grad_accum=1", "loss.chain_share=0.5", "valid
 def _launch(module_args: list[str], out: Path, features: Path, model: Path, extra=(), timeout: float = 240):
     """The launcher launch/train.sh runs, on 2 workers running `python -m MODULE_ARGS` (a test wrapper of
     mtp_train.train); (result, seconds it took)."""
-    cmd = [sys.executable, "-m", "mtp_train.launch", "--standalone", "--nproc_per_node", "2", "-m", *module_args,
+    cmd = [sys.executable, "-m", "mtp_train.torchrun", "--standalone", "--nproc_per_node", "2", "-m", *module_args,
            f"features_dir={features}", f"output_dir={out}", f"model.path={model}", *COMMON, *extra]
     start = time.monotonic()
     result = subprocess.run(cmd, cwd=ROOT, env=_env(), capture_output=True, text=True, timeout=timeout)

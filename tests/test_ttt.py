@@ -27,9 +27,9 @@ from infer.models.mtp_head import init_head_from_target
 from infer.sampler import SamplingTensors
 from infer.sampling_params import SamplingParams
 from infer.speculative import DRAFTERS
-from mtp_train.data import PackedBatch, pad_tokens, unroll_plan, window_segments
+from mtp_train.data import PackedBatch, pad_tokens, window_segments
 from mtp_train.ttt import chain_attention
-from mtp_train.unroll import LossWeights, UnrolledHead, per_step_means, unrolled_steps
+from mtp_train.unroll import LossWeights, UnrolledHead, batch_plan, per_step_means, unroll_plan, unrolled_steps
 from tests.test_eagle3 import fit_to_text
 
 pytestmark = pytest.mark.usefixtures("one_torch_thread")
@@ -92,7 +92,7 @@ def fitted(request, stories_model, text):
     counts = torch.tensor([float(len(text) - 1 - k) for k in range(K)])
     with torch.no_grad():
         _, stats = objective(batch, counts)
-        logits = [head.compute_logits(out.hidden_states) for _, out in unrolled_steps(head, batch, K)]
+        logits = [head.compute_logits(out.hidden_states) for _, out in unrolled_steps(head, batch, batch_plan(batch, K))]
     return request.param, head, batch, per_step_means(stats, counts), logits
 
 
@@ -137,8 +137,9 @@ def test_chain_windows_compute_the_full_unrolls_rows_at_their_anchors(fitted, wi
                       batch.aux_hidden_states)  # a record of 108 anchors reaching every step, and a short one
     with torch.no_grad():
         full = {k: dict(zip(step.token_index.tolist(), head.compute_logits(out.hidden_states)))
-                for k, (step, out) in enumerate(unrolled_steps(head, two, K))}
-        windowed = list(unrolled_steps(head, replace(two, chain_windows=windows), K))
+                for k, (step, out) in enumerate(unrolled_steps(head, two, batch_plan(two, K)))}
+        windowed_batch = replace(two, chain_windows=windows)
+        windowed = list(unrolled_steps(head, windowed_batch, batch_plan(windowed_batch, K)))
     assert len(windowed) == K
     for k, (step, out) in enumerate(windowed):
         anchors = [t - 1 - k for t in step.token_index.tolist()]  # record 0 starts the batch
@@ -153,7 +154,7 @@ def test_chain_windows_compute_the_full_unrolls_rows_at_their_anchors(fitted, wi
                                    rtol=1e-4, atol=1e-4)
     if windows[0][0]:  # control: without the offset the window's queries see the wrong keys
         with torch.no_grad(), unittest.mock.patch("mtp_train.ttt.causal_lower_right", top_left_causal):
-            step, out = list(unrolled_steps(head, replace(two, chain_windows=windows), K))[1]
+            step, out = list(unrolled_steps(head, windowed_batch, batch_plan(windowed_batch, K)))[1]
             logits = head.compute_logits(out.hidden_states)
         gap = (logits - torch.stack([full[1][t] for t in step.token_index.tolist()])).abs().max()
         assert gap > 1e-2

@@ -64,9 +64,8 @@ SMALL_NORM_ELEMENTS = 2048  # fp32 CPU inputs up to this many elements are norma
 
 def rms_norm_small(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
     """RMSNorm of a small fp32 CPU input through one fused kernel: the layer norm of [x, -x] is the RMSNorm of x
-    (its mean is 0, its variance mean(x^2)). Torch's CPU rms_norm is a composite of six ops, 7 us on a [1, 64] row
-    where layer_norm takes 2: on stories260K, 1.04-1.09x plain decode tokens/s at batch 1 and 8 (11 norms a step).
-    Past about 50 rows of 64 the concatenation costs more than it saves."""
+    (its mean is 0, its variance mean(x^2)). Torch's CPU rms_norm is a composite of six ops, so small rows pay
+    dispatch; past about 50 rows of 64 the concatenation costs more than it saves (docs/benchmark_history.md)."""
     h = x.shape[-1]
     return torch.layer_norm(torch.cat((x, x.neg()), -1), (2 * h,), None, None, eps).narrow(-1, 0, h).mul(weight)
 

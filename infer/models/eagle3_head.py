@@ -10,9 +10,8 @@ Step 0 at position i reads the target's hidden states at three layers (low, mid,
 
 r_i is the fused state g_i itself, or with `norm_before_residual` its normed hidden_norm(g_i), as vLLM's and the
 speculators package's EAGLE-3 layers read their config's flag (SGLang's layer has no flag: g_i). Normed, the token's
-contribution through attention is not drowned by the scale of the target's residual stream: on stories260K (the
-pipeline's features, 700 steps, the same two processes) greedy tau 3.584 against 3.423, T=1 tau 2.952 against
-2.879, position 1 0.809 against 0.776 (standard error 0.009): conf/head/eagle3.yaml's default.
+contribution through attention is not drowned by the scale of the target's residual stream, which raised tau
+(conf/head/eagle3.yaml's default; figures in docs/benchmark_history.md, "Recipes").
 
 A later draft reads the layer's own output h' (before the final norm) where step 0 read g_i; it is trained that
 way (mtp_train.ttt). Emb is the target's, frozen and shared; the decoder layer is Llama-shaped (EAGLE-3's).

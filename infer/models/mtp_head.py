@@ -193,9 +193,9 @@ def head_config_for(target_config: PretrainedConfig, identity: dict, architectur
     mlp: MTPHeadConfig's (checked when the decoder config is built). eagle3 has its own layout
     (infer.models.eagle3_head): the switches do not apply; layer_ids (None: the default rule), draft_vocab_size
     (None: the whole vocabulary), trainable_lm_head and norm_before_residual do. intermediate_size: the layer's dense
-    MLP width (None: the target's; on a small target a wider head MLP costs little and drafts better, README "Head
-    recipe"). num_key_value_heads: an EAGLE-3 layer's key/value heads (None: the target's; more widen the only path
-    by which its token reaches the residual stream, README "Head recipe").
+    MLP width (None: the target's; on a small target a wider head MLP costs little and drafts better,
+    docs/benchmark_history.md "Recipes"). num_key_value_heads: an EAGLE-3 layer's key/value heads (None: the target's;
+    more widen the only path by which its token reaches the residual stream, same section).
     """
     kind = target_config.model_type
     if kind not in DECODER_KEYS:

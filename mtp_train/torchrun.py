@@ -1,6 +1,6 @@
 """launch/train.sh's launcher: torchrun's elastic agent (torch.distributed.run), plus what the agent leaves out.
 
-    python -m mtp_train.launch [torchrun options] -m mtp_train.train [overrides]
+    python -m mtp_train.torchrun [torchrun options] -m mtp_train.train [overrides]
 
 - A user error (mtp_train.trainer.USER_ERRORS, the output lock) comes back from the workers through torchrun's
   error files and is printed once per distinct message, as one line, exit code 2: not once per rank followed by

@@ -1,7 +1,7 @@
 """Parameter counts and the memory per GPU of a head training config, without loading any weights.
 
-    python -m mtp_train.inspect [--gpus 8] model=llama3_1_70b [head=eagle1|eagle3] [trainer=zero3] [key=value ...]
-    python -m mtp_train.inspect --all-models [--gpus 8 --gpu-gib 80]   # the tensor-parallel plan of every config
+    python -m mtp_train.memory_plan [--gpus 8] model=llama3_1_70b [head=eagle1|eagle3] [trainer=zero3] [key=value ...]
+    python -m mtp_train.memory_plan --all-models [--gpus 8 --gpu-gib 80]   # the tensor-parallel plan of every config
 
 The head is built on the meta device from the target's shapes (its config.json when model.path has one, else
 the shapes in conf/model/*.yaml). Memory per GPU, for one micro batch:
@@ -266,7 +266,7 @@ def print_plan(cfg: DictConfig, plans: dict[str, StagePlan], gpus: int, gpu_byte
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(prog="python -m mtp_train.inspect", description=__doc__,
+    parser = argparse.ArgumentParser(prog="python -m mtp_train.memory_plan", description=__doc__,
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("overrides", nargs="*", help="Hydra overrides, as for mtp_train.train")
     parser.add_argument("--gpus", type=int, default=8, help="data-parallel GPUs the ZeRO state is split over")

@@ -28,7 +28,7 @@ def _workers(out: Path) -> list[int]:
             argv = (proc / "cmdline").read_bytes().split(b"\0") if proc.name.isdigit() else []
         except OSError:  # gone meanwhile
             continue
-        if marker in argv and b"mtp_train.train" in argv and b"mtp_train.launch" not in argv:
+        if marker in argv and b"mtp_train.train" in argv and b"mtp_train.torchrun" not in argv:
             pids.append(int(proc.name))
     return pids
 
