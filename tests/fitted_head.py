@@ -11,8 +11,8 @@ from infer.engine import Engine
 from infer.models.mtp_head import DraftHead, init_head_from_target
 from infer.prompts import VALIDATION_PROMPTS
 from infer.sampling_params import SamplingParams
-from mtp_train.data import PackedBatch, step_token_counts
-from mtp_train.unroll import LossWeights, UnrolledHead
+from mtp_train.data import PackedBatch
+from mtp_train.unroll import LossWeights, UnrolledHead, batch_plan, step_token_counts
 from mtp_train.validate import packed_target_forward
 
 TRAIN_PROMPTS = VALIDATION_PROMPTS[16:32]  # apart from the openings tests validate on (the first ones)
@@ -31,9 +31,10 @@ def fit_head(engine: Engine, steps: int = 30, k: int = 3, lr: float = 1e-2, seed
                         [len(seq) for seq in sequences], list(range(len(sequences))), None)
     objective = UnrolledHead(head, model.model.norm.weight, float(model.config.rms_norm_eps), k, LossWeights())
     optimizer = torch.optim.Adam([p for p in head.parameters() if p.requires_grad], lr=lr)
-    counts = step_token_counts(batch, k).float()
+    plan = batch_plan(batch, k)
+    counts = step_token_counts(batch, plan, k)
     for _ in range(steps):
-        loss, _ = objective(batch, counts)
+        loss, _ = objective(batch, counts, plan)
         optimizer.zero_grad()
         loss.backward()
         optimizer.step()
