@@ -18,17 +18,22 @@ from mtp_train.validate import packed_target_forward
 TRAIN_PROMPTS = VALIDATION_PROMPTS[16:32]  # apart from the openings tests validate on (the first ones)
 
 
-def fit_head(engine: Engine, steps: int = 30, k: int = 3, lr: float = 1e-2, seed: int = 0) -> DraftHead:
-    """An MTP head from the target's last layer, fitted `steps` Adam steps on 16 greedy continuations of 64 tokens."""
+def fit_head(engine: Engine, head: DraftHead | None = None, steps: int = 30, k: int = 3, lr: float = 1e-2,
+             seed: int = 0) -> DraftHead:
+    """`head` (default: an MTP head from the target's last layer) fitted `steps` Adam steps on 16 greedy
+    continuations of 64 tokens; an EAGLE-3 head reads the target layers it fuses."""
     torch.manual_seed(seed)
     model = engine.model
     requests = engine.generate(TRAIN_PROMPTS, SamplingParams(max_new_tokens=64, ignore_eos=True))
     sequences, prompt_lens = [r.token_ids for r in requests], [len(r.prompt_ids) for r in requests]
-    head = init_head_from_target(model, "stories260K").train().requires_grad_(True)
+    head = init_head_from_target(model, "stories260K") if head is None else head
+    head.train().requires_grad_(True)
     target = packed_target_forward(model, sequences, head.target_aux_layers)
+    aux = (torch.stack([target.aux_hidden_states[i] for i in head.target_aux_layers], dim=1)
+           if head.target_aux_layers else None)
     trained = torch.cat([torch.arange(len(seq)) >= n for seq, n in zip(sequences, prompt_lens)])
     batch = PackedBatch(torch.tensor([t for seq in sequences for t in seq]), target.hidden_states, trained,
-                        [len(seq) for seq in sequences], list(range(len(sequences))), None)
+                        [len(seq) for seq in sequences], list(range(len(sequences))), aux)
     objective = UnrolledHead(head, model.model.norm.weight, float(model.config.rms_norm_eps), k, LossWeights())
     optimizer = torch.optim.Adam([p for p in head.parameters() if p.requires_grad], lr=lr)
     plan = batch_plan(batch, k)

@@ -5,7 +5,8 @@ of stories260K, tiny Llama-3s (GQA; one KV head, fewer than the ranks) and tiny 
 without q_lora_rank, MoE), then generation through the Engine plainly, with an MTP head, an EAGLE-3 head and a draft LM,
 `infer.bench --tp 2` and `mtp_train.validate --tp 2` (their mains join the session's group as under torchrun),
 and last a failure injected on rank 1. The tests compare what rank 0 recorded with the same work done here in
-one process: logits within 1e-5 of the logit range, greedy tokens identical.
+one process: logits within 1e-6 of the logit range, greedy tokens identical; the heads are fitted in the test, so
+their shards draft (tau above 1.1 on these prompts of random tokens) and a broken one would show.
 """
 
 from __future__ import annotations
@@ -33,7 +34,7 @@ from infer.loader import CheckpointTensor, load_model
 from infer.model_runner import ModelRunner
 from infer.models.deepseek_v2 import DeepseekV2ForCausalLM
 from infer.models.llama import LlamaForCausalLM
-from infer.models.mtp_head import init_head_from_target, load_head, save_head
+from infer.models.mtp_head import load_head, save_head
 from infer.parallel import (
     RemoteRankError, ShardingError, TPGroup, broadcast_step, fail, init_tp, parameter_bytes, receive_step,
     serve_forever, spawn, stop_workers,
@@ -44,11 +45,12 @@ from mtp_train.validate import main as validate_main
 from tests.test_deepseek_v2 import CONFIGS as DEEPSEEK_CONFIGS
 from tests.test_deepseek_v2 import tiny_config as tiny_deepseek_config
 from tests.test_eagle3 import eagle3_head
+from tests.fitted_head import fit_head
 from tests.test_llama import tiny_llama3_config
 
 pytestmark = pytest.mark.usefixtures("one_torch_thread")
 
-REL_TOL = 1e-5
+REL_TOL = 1e-6  # of the logit range; measured 1.1e-7 (fp32 reduction order of the row-split layers)
 STORY_END = 1  # stories260K ends a story with BOS
 PROMPTS = [[1, 400, 301, 280], [1, 65, 300], [1, 259, 270, 290, 310, 330]]
 # Parameters every rank holds whole; all others are split evenly at tp=2 in the configs the byte test checks.
@@ -141,13 +143,10 @@ def rank_session(folders: dict[str, str], stories: str, head_dir: str, eagle3_di
     target = models["stories"]
     for kind in ("plain", "mtp", "eagle3", "draft"):
         engine = make_engine(target)
-        if kind == "mtp":  # every rank holds its shard of the head's layer
-            head = init_head_from_target(target, "stories260K")
+        if kind == "mtp":  # a saved whole head, cut to this rank's shard of its layer
+            head = load_head(head_dir, target)
             engine.num_draft_tokens = 2
             engine.attach_drafter("mtp", head)
-            loaded = load_head(head_dir, target)  # a saved whole head, cut to this rank's shard
-            record["mtp/load_head_equal"] = head.state_dict().keys() == loaded.state_dict().keys() and all(
-                torch.equal(a, b) for a, b in zip(head.state_dict().values(), loaded.state_dict().values()))
         if kind == "eagle3":  # a saved whole EAGLE-3 head (draft vocabulary of 256), cut to this rank's shard
             head = load_head(eagle3_dir, target)
             record["eagle3/param_bytes"] = parameter_bytes(head)
@@ -217,13 +216,21 @@ def folders(tmp_path_factory) -> dict[str, Path]:
 
 
 @pytest.fixture(scope="module")
-def head_dir(stories_model, tmp_path_factory) -> Path:
-    return save_head(init_head_from_target(stories_model, "stories260K"), tmp_path_factory.mktemp("h") / "head")
+def head_dir(stories_model, stories_engine, tmp_path_factory) -> Path:
+    """An MTP head fitted in the test (tests/fitted_head.py): it drafts, so a broken shard of it shows."""
+    return save_head(fit_head(stories_engine), tmp_path_factory.mktemp("h") / "head")
 
 
 @pytest.fixture(scope="module")
-def eagle3_dir(stories_model, tmp_path_factory) -> Path:
-    return save_head(eagle3_head(stories_model, draft_vocab=256), tmp_path_factory.mktemp("e3") / "head")
+def eagle3_dir(stories_model, stories_engine, tmp_path_factory) -> Path:
+    """A fitted EAGLE-3 head with a draft vocabulary of 256."""
+    return save_head(fit_head(stories_engine, eagle3_head(stories_model, draft_vocab=256)),
+                     tmp_path_factory.mktemp("e3") / "head")
+
+
+@pytest.fixture(scope="module")
+def stories_engine(stories_hf_dir) -> Engine:
+    return Engine.from_pretrained(stories_hf_dir, dtype=torch.float32, device="cpu")
 
 
 @pytest.fixture(scope="module")
@@ -292,11 +299,11 @@ def test_one_kv_head_is_replicated_on_both_ranks(session, folders):
 
 
 @pytest.mark.parametrize("kind", ["plain", "mtp", "eagle3", "draft"])
-def test_engine_generates_the_tokens_of_one_rank(session, stories_model, eagle3_dir, kind):
+def test_engine_generates_the_tokens_of_one_rank(session, stories_model, head_dir, eagle3_dir, kind):
     engine = make_engine(stories_model)
     if kind == "mtp":
         engine.num_draft_tokens = 2
-        engine.attach_drafter("mtp", init_head_from_target(stories_model, "stories260K"))
+        engine.attach_drafter("mtp", load_head(head_dir, stories_model))
     if kind == "eagle3":  # the same drafts as one process: identical tau, from a head split over the ranks
         head = load_head(eagle3_dir, stories_model)
         engine.num_draft_tokens = 2
@@ -313,9 +320,7 @@ def test_engine_generates_the_tokens_of_one_rank(session, stories_model, eagle3_
     assert all(len(tokens) == 20 for tokens in record[f"{kind}/tokens"])  # long enough to mean something
     if kind != "plain":
         assert session[0][f"{kind}/verify_steps"] > 0
-        assert session[0][f"{kind}/tau"] == pytest.approx(record[f"{kind}/tau"])
-    if kind == "mtp":
-        assert session[0]["mtp/load_head_equal"] and session[1]["mtp/load_head_equal"]
+        assert session[0][f"{kind}/tau"] == record[f"{kind}/tau"] > 1.1  # fitted heads draft: a broken shard would show
     if kind == "draft":  # the draft LM is whole, on rank 0
         assert session[0]["draft/param_bytes"] == parameter_bytes(stories_model)
         assert session[0]["draft/tau"] > 3
