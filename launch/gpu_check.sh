@@ -8,3 +8,21 @@ cd "$(dirname "$0")/.."
 ASSETS=${ASSETS:-../shared/assets}
 timeout "${GPU_CHECK_TIMEOUT:-600}" "${PYTHON:-python3}" -m infer.bench.gpu_check \
     --stories "$ASSETS/stories260K/hf-reference" "$@"
+
+# Training on the GPU: two identical short runs with trainer.deterministic=true (cuBLAS workspace, deterministic
+# kernels) must give bitwise-equal heads, as fp32 runs on a CPU do. GPU_CHECK_TRAIN=0 leaves it out.
+if [ "${GPU_CHECK_TRAIN:-1}" = 1 ]; then
+  work=$(mktemp -d)
+  common=(model.path="$ASSETS/stories260K/hf-reference" head=eagle3)
+  timeout 120 "${PYTHON:-python3}" -m data_tools.precompute output_dir="$work/features" data=sharegpt_dummy \
+      data.limit=64 precompute.device=cuda "${common[@]}" --no-progress >"$work/precompute.log" 2>&1
+  for run in 1 2; do
+    timeout 120 "${PYTHON:-python3}" -m mtp_train.train features_dir="$work/features" output_dir="$work/run$run" \
+        "${common[@]}" trainer.device=cuda trainer.dtype=bfloat16 trainer.deterministic=true trainer.max_steps=30 \
+        trainer.micro_batch_size=2 trainer.seq_len=256 trainer.eval_every=0 trainer.save_every=0 \
+        trainer.progress=false validate.enabled=false eval_records=8 >"$work/run$run.log" 2>&1
+  done
+  same=no
+  cmp -s "$work/run1/head/model.safetensors" "$work/run2/head/model.safetensors" && same=yes
+  echo "| train | stories260K EAGLE-3 head, bf16, trainer.deterministic=true, 2 runs x 30 steps | heads bitwise equal: $same | |"
+fi

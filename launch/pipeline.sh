@@ -7,8 +7,9 @@
 #   4. train each head on the same features with DeepSpeed under torchrun (gloo on a CPU): TTT unroll of 4 steps,
 #      the recipe of conf/recipe/stories260k.yaml at 16 records a step, fp32 weights with the linear layers in bf16
 #      (trainer.autocast) where bf16 matmuls are native (an AVX2-only CPU emulates them, so there they stay fp32);
-#      CHAIN_SHARE=0.5 unrolls steps 1-3 over half of each record's anchors, faster, for slightly weaker heads; on
-#      a CPU the heads train side by side (below); each head's output goes to OUT/run-HEAD.log (timings behind these
+#      RECIPE=quick (the default) trains 600 steps unrolling steps 1-3 over half of each record's anchors
+#      (CHAIN_SHARE=0.5), RECIPE=best 700 steps over all of them, slower, for stronger heads; on a CPU the heads
+#      train side by side (below); each head's output goes to OUT/run-HEAD.log (timings behind these
 #      choices: docs/benchmark_history.md);
 #   5. validate each in infer/ (speculative decoding on 64 held-out story openings x 128 tokens: conditional
 #      acceptance per position, tau, speedup, the trainer's per-step top-1 on the same text);
@@ -25,7 +26,13 @@ ASSETS=${ASSETS:-../shared/assets}
 OUT=${OUT:-artifacts}
 MODEL=$OUT/stories260K
 STORIES=${STORIES:-3000}       # self-distilled stories from BOS (half at T=1, half at T=0.7)
-STEPS=${STEPS:-}               # optimizer steps per head (default: conf/model/stories260k.yaml)
+RECIPE=${RECIPE:-quick}        # quick: under 15 minutes on a 2-core AVX2 CPU; best: the stronger heads (README)
+case "$RECIPE" in
+  quick) STEPS=${STEPS:-600}; CHAIN_SHARE=${CHAIN_SHARE:-0.5} ;;
+  best) STEPS=${STEPS:-}; CHAIN_SHARE=${CHAIN_SHARE:-1} ;;
+  *) echo "pipeline: RECIPE=$RECIPE; the recipes are: quick best" >&2; exit 2 ;;
+esac
+STEPS=${STEPS:-}               # optimizer steps per head (best: conf/recipe/stories260k.yaml's)
 HEADS=${HEADS:-mtp eagle3}     # heads to train on the same features: mtp, eagle3, eagle1
 BATCH=${BATCH:-16}             # records per optimizer step of a head, over all its processes (the recipe's global batch)
 JOBS=${JOBS:-}                 # heads trained at once (default: on a CPU, one per core; on GPUs, one)
@@ -33,7 +40,7 @@ NPROC=${NPROC:-}               # torchrun processes per head (default: on a CPU,
 K=${K:-4}                      # draft tokens per step when validating
 THREADS=${THREADS:-1}          # torch threads per process: tiny models run best on one
 AUTOCAST=${AUTOCAST:-auto}     # heads' linear layers in bf16 (trainer.autocast): auto = where bf16 matmuls are native
-CHAIN_SHARE=${CHAIN_SHARE:-1}  # loss.chain_share: 0.5 unrolls half the anchors, for less training time
+CHAIN_SHARE=${CHAIN_SHARE:-1}  # loss.chain_share: 0.5 unrolls steps 1-3 over half the anchors, for less training time
 export OMP_NUM_THREADS=$THREADS
 for head in $HEADS; do  # before the stages that take minutes
   if [ ! -f "conf/head/$head.yaml" ]; then
