@@ -15,12 +15,17 @@ import os
 import sys
 from pathlib import Path
 
-import hydra
-from omegaconf import DictConfig, OmegaConf
+from mtp_train import torchrun
 
-from data_tools.config import CONF_DIR
-from mtp_train import run_lock, torchrun
-from mtp_train.config import TrainConfig  # noqa: F401 - registers the schema conf/config.yaml names
+if __name__ == "__main__":  # first: a launcher's SIGINT must stop this worker cleanly even during the imports below
+    torchrun.bind_to_launcher()
+
+import hydra  # noqa: E402
+from omegaconf import DictConfig, OmegaConf  # noqa: E402
+
+from data_tools.config import CONF_DIR  # noqa: E402
+from mtp_train import run_lock  # noqa: E402
+from mtp_train.config import TrainConfig  # noqa: E402, F401 - registers the schema conf/config.yaml names
 
 
 @hydra.main(config_path=str(CONF_DIR), config_name="config", version_base=None)
@@ -68,6 +73,5 @@ def precheck_overrides(argv: list[str]) -> None:
 
 
 if __name__ == "__main__":
-    torchrun.bind_to_launcher()
     precheck_overrides(sys.argv[1:])
     sys.exit(main())

@@ -15,6 +15,7 @@ from pathlib import Path
 import pytest
 import torch
 
+from mtp_train import checkpoint
 from mtp_train.data import FeatureError, open_features
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -306,9 +307,12 @@ def test_a_planted_checkpoint_never_runs_code(tmp_path, one_process, features, s
     result = _train(planted, features, stories_hf_dir, ["trainer.grad_accum=2"], check=False)
     assert result.returncode == 2 and "run.json is missing" in result.stderr, result.stderr[-2000:]
 
-    # A forged identity (copied from a real run) beside a planted shard: weights_only=True refuses the pickle.
+    # A forged identity (copied from a real run) beside a planted shard, its files.json rewritten to match (a shard
+    # that does not match it is passed over unread, tests/test_checkpoint.py): weights_only=True refuses the pickle.
     forged = _copy_run(one_process, tmp_path / "forged")
-    shutil.copy(evil, forged / "checkpoints" / f"step_{STEPS}" / "mp_rank_00_model_states.pt")
+    step_folder = forged / "checkpoints" / f"step_{STEPS}"
+    shutil.copy(evil, step_folder / "mp_rank_00_model_states.pt")
+    (step_folder / checkpoint.FILES_FILE).write_text(json.dumps(checkpoint._listing(step_folder)))
     result = _train(forged, features, stories_hf_dir, ["trainer.grad_accum=2", f"trainer.max_steps={STEPS + 1}"],
                     check=False)
     assert result.returncode == 2 and "cannot be loaded safely" in result.stderr, result.stderr[-2000:]
