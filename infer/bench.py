@@ -43,7 +43,7 @@ from pathlib import Path
 
 import torch
 
-from infer.cli import CliError, add_catch_up_arg, add_engine_args, engine_kwargs, parse_floats, parse_ints, run_cli
+from infer.cli import CliError, add_engine_args, engine_kwargs, parse_floats, parse_ints, run_cli
 from infer.engine import Engine, ForwardCosts
 from infer.loader import DTYPES
 from infer.parallel import attach_where_it_lives, current, init_tp, on_rank0, serve_forever, tp_main
@@ -289,7 +289,6 @@ def main(argv: list[str] | None = None) -> int:
                         help="benchmark speculative decoding with this drafter instead of comparing to transformers")
     parser.add_argument("--draft", type=Path, help="draft LM folder (--spec draft) or MTP head folder (--spec mtp)")
     parser.add_argument("--num-draft-tokens", default="1,2,3,4", help="comma-separated K values (default 1,2,3,4)")
-    add_catch_up_arg(parser)
     parser.add_argument("--temperatures", default="0", help="comma-separated temperatures for --spec (default 0)")
     parser.add_argument("--arrivals", type=int, default=4,
                         help="--spec: also run a stream of max(batch sizes) requests arriving one every N steps and "

@@ -6,8 +6,10 @@ last. When pages run out, the most recently admitted request is preempted: its p
 requeued to be recomputed later, so the engine never crashes for lack of memory. A batch of decodes that stays the
 same is planned in runs of `decode_run_steps` steps: one page-metadata build and one attention plan per run.
 
-With a drafter attached, a decode-only batch takes one `infer.speculative.speculative_decode` round instead of
-a plain forward; the engine owns everything that round changes: tokens, stops, page tables and statistics.
+With a drafter attached, the decodes that can speculate take one `infer.speculative.speculative_decode` round,
+their verify rows packed in the same forward as the other rows; after every target forward the drafter is handed
+the forward's rows once (`Drafter.propose`). The engine owns everything a round changes: tokens, stops, page tables
+and statistics.
 """
 
 from __future__ import annotations
@@ -30,8 +32,7 @@ from infer.model_runner import ModelRunner
 from infer.models.mtp_head import DRAFTER_KINDS, load_head
 from infer.sampler import SamplingTensors, make_generator, sample
 from infer.sampling_params import SamplingParams
-from infer.models.common import ModelOutput
-from infer.speculative import CATCH_UP_SCHEDULES, DRAFTERS, Drafter, SpecOutput, SpecStats, speculative_decode
+from infer.speculative import DRAFTERS, Drafter, SpecStats, TargetRows, emitted_lists, speculative_decode
 
 
 @dataclass
@@ -112,9 +113,6 @@ class EngineConfig:
     max_num_batched_tokens: int = 2048
     backend: str = "auto"
     num_draft_tokens: int = 4  # K, when a drafter is attached
-    # when the drafter catches up (infer.speculative): "accepted", after the host reads the accepted lengths, or
-    # "verified" (the seed's schedule, heads only: before that read; the same tokens; see README)
-    draft_catch_up: str = "accepted"
     decode_run_steps: int = 16  # plain decode steps whose metadata and attention plan are built at once (1: per step)
 
 
@@ -237,11 +235,6 @@ class Engine:
                 f"the drafter's vocabulary ({model.config.vocab_size}) differs from the target's "
                 f"({self.model.config.vocab_size}): it must share the target's tokenizer"
             )
-        if self.config.draft_catch_up not in CATCH_UP_SCHEDULES:
-            raise ValueError(f"draft_catch_up must be one of {', '.join(CATCH_UP_SCHEDULES)}, "
-                             f"got {self.config.draft_catch_up!r}")
-        if self.config.draft_catch_up == "verified" and kind == "draft":
-            raise ValueError("draft_catch_up='verified' is the MTP head's schedule; a draft LM catches up 'accepted'")
         architecture = getattr(model.config, "architecture", None)
         if kind != "draft" and DRAFTER_KINDS.get(architecture) != kind:
             raise ValueError(f"a {architecture} head drafts as kind {DRAFTER_KINDS.get(architecture)!r}, not {kind!r}")
@@ -374,7 +367,8 @@ class Engine:
         """Run one batch; returns the requests that finished in it.
 
         With a drafter attached, the decodes that can speculate verify K drafts in the same forward as the others'
-        prefill chunks and plain decodes (verify rows packed after them); the drafter then catches up on all.
+        prefill chunks and plain decodes (verify rows packed after them); the drafter is then handed every row of
+        that forward, before the host reads what was sampled or accepted.
         """
         scheduled = self._schedule()
         if not scheduled:
@@ -388,74 +382,29 @@ class Engine:
         if self.spec_stats is not None:
             self.spec_stats.plain_decodes += rows.num_decodes
 
-        spec_out, forwarded = None, {}
+        forward = _TargetForward(self, rows, speculating)
+        start, drafter_s = time.perf_counter(), self.drafter.seconds if self.drafter else 0.0
+        emitted = num_emitted = None
         if speculating:
-            def target_forward(verify_ids: torch.Tensor) -> tuple[ModelOutput, PageMetadata | None]:
-                """[B_spec, K+1] -> the verify rows' outputs, and the forward's metadata if they were all it held."""
-                out, meta = self._target_forward(rows, speculating, verify_ids)
-                forwarded["out"] = out
-                features = forwarded["features"] = self.drafter.target_features(out)  # what the drafter reads
-                return (ModelOutput(out.logits[len(rows.sample_rows):], features[rows.num_tokens:]),
-                        None if rows.num_tokens else meta)
-
             sampling = SamplingTensors.from_params([r.params for r in speculating], self.device)
-            spec_out = speculative_decode(target_forward, self.drafter, speculating, self.num_draft_tokens, sampling,
-                                          [r.generator for r in speculating], self.config.draft_catch_up)
+            emitted, num_emitted = speculative_decode(forward, self.drafter, speculating, self.num_draft_tokens,
+                                                      sampling, [r.generator for r in speculating])
         else:
-            forwarded["out"] = self._target_forward(rows, [], None)[0]
-        out = forwarded["out"]
-
-        finished = []
+            forward(None)
+        sampled = None
         if rows.sample_rows:
             requests = [r for r, _ in rows.sampling]
             tensors = SamplingTensors.from_params([r.params for r in requests], self.device)
-            new_tokens = sample(out.logits[: len(rows.sample_rows)], tensors, [r.generator for r in requests]).tolist()
-            finished = [r for r, token in zip(requests, new_tokens) if self._append_token(r, token)]
-        spec_hidden = self._settle_speculation(speculating, spec_out, finished) if speculating else {}
-        if self.drafter is not None:  # keep the drafter in lockstep: it reads what the target just settled
-            start = time.perf_counter()
-            live = [(i, r) for i, (r, _) in enumerate(rows.scheduled) if not r.finished and self._reserve_catch_up(r)]
-            features = forwarded.get("features")
-            if features is None and live:
-                features = self.drafter.target_features(out)
-            hidden = {r.request_id: (rows.kv_lens[i] - rows.q_lens[i],
-                                     features[rows.first_rows[i] : rows.first_rows[i + 1]]) for i, r in live}
-            hidden.update(spec_hidden)
-            self.drafter.catch_up([r for _, r in live] + [r for r in speculating if r.request_id in spec_hidden], hidden)
-            for request in speculating:  # both caches keep their settled prefixes only
-                if not request.finished:
-                    request.page_table.truncate(max(request.num_computed, self.drafter.num_cached(request.request_id)))
-            if speculating:
-                self._record_spec_time(speculating, spec_out, time.perf_counter() - start)
-        return self._finish_step(finished)
-
-    def _target_forward(self, rows: "_PlainRows", speculating: list[Request],
-                        verify_ids: torch.Tensor | None) -> tuple[ModelOutput, PageMetadata]:
-        """One packed target forward: the plain rows, then K+1 verify rows per speculating request.
-
-        Logits come back for the plain rows that sample, then for every verify row; hidden states for all rows; and
-        the forward's page metadata.
-        """
-        k = self.num_draft_tokens
-        page_lists = rows.page_lists + [r.page_table.pages for r in speculating]
-        q_lens = rows.q_lens + [k + 1] * len(speculating)
-        kv_lens = rows.kv_lens + [r.num_computed + k + 1 for r in speculating]
-        meta = None if speculating else self._decode_run_meta(rows)
-        if meta is None:
-            meta = build_page_metadata(page_lists, q_lens, kv_lens, self.config.page_size, self.device)
-        if speculating and not rows.num_tokens:  # verify rows alone: every row's logits, in order
-            return self.runner.run(verify_ids.flatten().to(self.device), meta, None,
-                                   aux_layers=self.drafter.target_aux_layers), meta
-        ids = torch.tensor(rows.input_ids, dtype=torch.long, device=self.device)
-        logits_rows = None  # decodes only: every row samples, no rows to pick
-        if speculating or len(rows.sampling) < rows.num_tokens:
-            logits_rows = torch.tensor(rows.sample_rows, dtype=torch.long, device=self.device)
+            sampled = sample(forward.output.logits[: len(requests)], tensors, [r.generator for r in requests])
+        if self.drafter is not None:
+            self.drafter.propose(forward.target_rows(sampled, emitted, num_emitted))
+        finished = []
+        if sampled is not None:  # the host reads the step's tokens only now: the drafter is launched
+            finished = [r for (r, _), token in zip(rows.sampling, sampled.tolist()) if self._append_token(r, token)]
         if speculating:
-            ids = torch.cat((ids, verify_ids.flatten().to(self.device)))
-            verify_rows = torch.arange(rows.num_tokens, ids.shape[0], device=self.device)
-            logits_rows = torch.cat((logits_rows, verify_rows))
-        return self.runner.run(ids, meta, logits_rows,
-                               aux_layers=self.drafter.target_aux_layers if self.drafter else ()), meta
+            self._record_spec_time(speculating, time.perf_counter() - start, self.drafter.seconds - drafter_s)
+            self._settle_speculation(speculating, emitted_lists(emitted), finished)
+        return self._finish_step(finished)
 
     def _decode_run_meta(self, rows: "_PlainRows") -> PageMetadata | None:
         """A batch of one-token rows takes its step of a run of `decode_run_steps` decode steps built at once
@@ -497,56 +446,44 @@ class Engine:
                                             [r.request_id for r in requests], rows.kv_lens)
         return run.steps.step(0)
 
-    def _settle_speculation(self, requests: list[Request], out: SpecOutput,
-                            finished: list[Request]) -> dict[int, tuple[int, torch.Tensor]]:
-        """Append each request's emitted tokens and record acceptance; returns the catch-up input of the survivors
-        that the drafter has not caught up on already: request_id -> (first position, [K+1, H] hidden states)."""
-        target_hidden = {}
-        hidden_rows = itertools.repeat(None) if out.caught_up else out.hidden_states  # [K+1, H] each: B views
-        for request, tokens, hidden in zip(requests, out.emitted, hidden_rows):
+    def _settle_speculation(self, requests: list[Request], emitted: list[list[int]], finished: list[Request]) -> None:
+        """Append each request's emitted tokens and record acceptance; the rejected drafts' pages go back."""
+        for request, tokens in zip(requests, emitted):
             request.spec_stats.record(len(tokens) - 1)
             self.spec_stats.record(len(tokens) - 1)
-            first = request.num_computed
             if self._append_verified(request, tokens):
                 finished.append(request)
-            elif not out.caught_up:
-                self.drafter.rollback(request.request_id, request.num_computed)  # rejected drafts past the prefix
-                target_hidden[request.request_id] = (first, hidden)
-        return target_hidden
+            else:
+                request.page_table.truncate(request.num_computed)
 
-    def _record_spec_time(self, requests: list[Request], out: SpecOutput, catch_up_s: float) -> None:
-        draft_time = out.draft_time_s + catch_up_s
+    def _record_spec_time(self, requests: list[Request], step_s: float, draft_s: float) -> None:
+        """A speculative step's seconds up to the host's read: the drafter's (drafts and catch-up), the rest the
+        verify's."""
         share = 1.0 / len(requests)
         for request in requests:
-            request.spec_stats.draft_time_s += draft_time * share
-            request.spec_stats.verify_time_s += out.verify_time_s * share
-        self.spec_stats.draft_time_s += draft_time
-        self.spec_stats.verify_time_s += out.verify_time_s
-
-    def _reserve_catch_up(self, request: Request) -> bool:
-        """Pages for the drafter's catch-up; without them it catches up in a later step (no speculation till then)."""
-        try:
-            request.page_table.extend(self.drafter.catch_up_end(request))
-        except OutOfPages:
-            return False
-        return True
+            request.spec_stats.draft_time_s += draft_s * share
+            request.spec_stats.verify_time_s += (step_s - draft_s) * share
+        self.spec_stats.draft_time_s += draft_s
+        self.spec_stats.verify_time_s += step_s - draft_s
 
     def _speculating(self, scheduled: list[tuple[Request, int]]) -> list[Request]:
-        """The decodes that verify K drafts this step: the drafter is in lockstep with them, and the step's token
-        budget, the context and the page pool have room for K more tokens each (their pages are reserved here)."""
+        """The decodes that verify K drafts this step: the step's token budget, the context and the page pool have
+        room for K more tokens each (their pages are reserved here). The drafter has seen every position before
+        their pending token (it reads every target forward's rows), so it can draft for them."""
         if self.drafter is None:
             return []
         k = self.num_draft_tokens
         budget = self.config.max_num_batched_tokens - sum(q_len for _, q_len in scheduled)
         chosen = []
         for request, q_len in scheduled:
-            if (budget < k or q_len != 1 or request.num_tokens - request.num_computed != 1
-                    or request.num_tokens + k >= self.max_model_len or not self.drafter.ready(request)):
+            # a request's first forward (a one-token prompt) is plain: the drafter has seen none of it yet
+            if (budget < k or q_len != 1 or request.num_tokens - request.num_computed != 1 or not request.num_computed
+                    or request.num_tokens + k >= self.max_model_len):
                 continue
-            # verify writes K+1 positions; a draft LM then reads one more
-            if request.page_table.pages_to_grow(request.num_tokens + k + 1) > self.pool.num_free:
+            # verify writes K+1 positions; the drafts, fewer
+            if request.page_table.pages_to_grow(request.num_tokens + k) > self.pool.num_free:
                 continue
-            request.page_table.extend(request.num_tokens + k + 1)
+            request.page_table.extend(request.num_tokens + k)
             budget -= k
             chosen.append(request)
         return chosen
@@ -683,6 +620,80 @@ class Engine:
         if bar is not None:
             bar.close()
         return requests
+
+
+class _TargetForward:
+    """A step's one target forward: the plain rows, then K+1 verify rows per speculating request; called with the
+    verify ids by `speculative_decode` (or with None), it keeps what the drafter reads of it (`target_rows`)."""
+
+    def __init__(self, engine: Engine, rows: _PlainRows, speculating: list[Request]) -> None:
+        self.engine, self.rows, self.speculating = engine, rows, speculating
+
+    def __call__(self, verify_ids: torch.Tensor | None) -> torch.Tensor | None:
+        """[B_spec, K+1] verify ids, or None without speculation -> the verify rows' logits [B_spec * (K+1), V].
+
+        The forward's logits come for the plain rows that sample, then for every verify row; its hidden states for
+        all rows (`output`)."""
+        engine, rows, speculating = self.engine, self.rows, self.speculating
+        k, device = engine.num_draft_tokens, engine.device
+        meta = None if speculating else engine._decode_run_meta(rows)
+        if meta is None:
+            meta = build_page_metadata(rows.page_lists + [r.page_table.pages for r in speculating],
+                                       rows.q_lens + [k + 1] * len(speculating),
+                                       rows.kv_lens + [r.num_computed + k + 1 for r in speculating],
+                                       engine.config.page_size, device)
+        logits_rows = None  # decodes only, or verify rows only: every row's logits
+        if not rows.num_tokens:
+            ids = verify_ids.flatten()
+        else:
+            ids = torch.tensor(rows.input_ids, dtype=torch.long, device=device)
+            if speculating or len(rows.sampling) < rows.num_tokens:
+                logits_rows = torch.tensor(rows.sample_rows, dtype=torch.long, device=device)
+            if speculating:
+                ids = torch.cat((ids, verify_ids.flatten()))
+                logits_rows = torch.cat((logits_rows, torch.arange(rows.num_tokens, ids.shape[0], device=device)))
+        self.input_ids, self.meta = ids, meta
+        self.output = engine.runner.run(ids, meta, logits_rows,
+                                        aux_layers=engine.drafter.target_aux_layers if engine.drafter else ())
+        return self.output.logits[len(rows.sample_rows):] if speculating else None
+
+    def target_rows(self, sampled: torch.Tensor | None, emitted: torch.Tensor | None,
+                    num_emitted: torch.Tensor | None) -> TargetRows:
+        """The forward's rows for the drafter, from the plain rows' sampled tokens [S] and the verify's emitted
+        tokens [B_spec, K+1] and counts [B_spec], all on the device: each verify's last settled row comes from its
+        count there."""
+        rows, device = self.rows, self.engine.device
+        last_rows, next_ids = [], []
+        if rows.scheduled:
+            last_rows.append(torch.tensor([first - 1 for first in rows.first_rows[1:]], device=device))
+            next_ids.append(self._plain_next_ids(sampled))
+        if self.speculating:
+            width = self.engine.num_draft_tokens + 1
+            first = rows.num_tokens
+            last_rows.append(torch.arange(first - 1, first - 1 + width * len(self.speculating), width,
+                                          device=device) + num_emitted)
+            next_ids.append(emitted.clamp_min(0).flatten())  # row j reads emitted token j; past them, any
+        return TargetRows([r for r, _ in rows.scheduled] + self.speculating, self.input_ids, _cat(next_ids),
+                          _cat(last_rows), self.meta, self.output)
+
+    def _plain_next_ids(self, sampled: torch.Tensor | None) -> torch.Tensor:
+        """[T_plain] the token after each plain row: the next row's, the next prompt token after a chunk, or the
+        token sampled at the row."""
+        rows = self.rows
+        if sampled is not None and len(rows.sampling) == rows.num_tokens:  # every row samples
+            return sampled
+        following = rows.input_ids[1:] + [0]
+        for (request, _), end in zip(rows.scheduled, rows.first_rows[1:]):
+            if request.num_computed < request.num_tokens:  # a prompt chunk: its next token is known
+                following[end - 1] = request.token_ids[request.num_computed]
+        next_ids = torch.tensor(following, dtype=torch.long, device=self.engine.device)
+        if sampled is not None:
+            next_ids[torch.tensor(rows.sample_rows, device=self.engine.device)] = sampled
+        return next_ids
+
+
+def _cat(parts: list[torch.Tensor]) -> torch.Tensor:
+    return parts[0] if len(parts) == 1 else torch.cat(parts)
 
 
 def per_prompt(params: SamplingParams | Sequence[SamplingParams] | None, count: int) -> Sequence[SamplingParams]:

@@ -74,11 +74,9 @@ def test_speculation_gives_the_torch_backends_tokens_and_acceptance(fake, storie
         assert tau == 4.0
 
 
-@pytest.mark.parametrize("schedule", ["accepted", "verified"])
-def test_sampled_speculation_gives_the_torch_backends_drafts_and_tokens(fake, stories_model, stories_tokenizer,
-                                                                      schedule):
+def test_sampled_speculation_gives_the_torch_backends_drafts_and_tokens(fake, stories_model, stories_tokenizer):
     """Seeded T=1 requests on a story, where the untrained head's drafts are often accepted: the head's carry (its
-    logits and state at each catch-up's last row, or at the last emitted row of the verified schedule) is read
+    logits and state at each request's last settled row of the catch-up, its last emitted one after a verify) is read
     from every row FlashInfer computes as from the rows the torch backend computes alone, so every step drafts the
     same tokens and emits the same ones."""
     head = init_head_from_target(stories_model, "stories260K")
@@ -87,17 +85,16 @@ def test_sampled_speculation_gives_the_torch_backends_drafts_and_tokens(fake, st
     runs = {}
     for backend in ("torch", "flashinfer"):
         engine = Engine(stories_model, None, [], EngineConfig(page_size=4, num_pages=128, max_num_batched_tokens=8,
-                                                              backend=backend, num_draft_tokens=3,
-                                                              draft_catch_up=schedule))
+                                                              backend=backend, num_draft_tokens=3))
         engine.attach_drafter("mtp", head)
-        drafts, propose = [], engine.drafter.propose
+        drafts, draft = [], engine.drafter.draft
 
-        def recording_propose(seqs, *args, **kwargs):
-            ids, probs = propose(seqs, *args, **kwargs)
+        def recording_draft(seqs, *args, **kwargs):
+            ids, probs = draft(seqs, *args, **kwargs)
             drafts.append(([s.request_id for s in seqs], ids.tolist()))
             return ids, probs
 
-        engine.drafter.propose = recording_propose
+        engine.drafter.draft = recording_draft
         params = [SamplingParams(max_new_tokens=64, ignore_eos=True, temperature=1.0, seed=i) for i in range(3)]
         out = engine.generate(prompts, params)
         runs[backend] = (drafts, [r.output_ids for r in out], engine.spec_stats.accepted_length_histogram)

@@ -119,18 +119,17 @@ class Run:
 
 
 def page_violations(engine: Engine, step: int) -> list[str]:
-    """Every live request holds ceil(max(target, drafter cache length) / page_size) pages (without a drafter, up to
-    the decode_run_steps - 1 tokens more that a decode run reserves), waiting ones none; the pool's used pages are
-    exactly the pages in tables, none in two tables."""
+    """Every live request holds ceil(num_computed / page_size) pages (without a drafter, up to the
+    decode_run_steps - 1 tokens more that a decode run reserves; a drafter's cache lives in the same pages, never
+    longer), waiting ones none; the pool's used pages are exactly the pages in tables, none in two tables."""
     problems = []
     page_size = engine.config.page_size
     ahead = engine.config.decode_run_steps - 1 if engine.drafter is None else 0
     for r in engine.running:
-        draft_cached = engine.drafter.num_cached(r.request_id) if engine.drafter else 0
-        want = pages_needed(max(r.num_computed, draft_cached), page_size)
-        if not want <= len(r.page_table.pages) <= pages_needed(max(r.num_computed, draft_cached) + ahead, page_size):
+        want = pages_needed(r.num_computed, page_size)
+        if not want <= len(r.page_table.pages) <= pages_needed(r.num_computed + ahead, page_size):
             problems.append(f"step {step}: request {r.request_id} holds {len(r.page_table.pages)} pages for "
-                            f"num_computed={r.num_computed}, drafter cached={draft_cached} (wants {want})")
+                            f"num_computed={r.num_computed} (wants {want})")
     for r in engine.waiting:
         if r.page_table.pages:
             problems.append(f"step {step}: waiting request {r.request_id} holds pages {r.page_table.pages}")
@@ -619,92 +618,3 @@ def test_decodes_speculate_in_the_same_forward_as_arriving_prefills(stories_mode
     assert run.outputs == plain.outputs and not run.violations
     assert run.spec["speculated_share"] == 1.0 and run.spec["verify_steps"] > 0
     assert sum(mixed_forwards) >= 5, "no forward packed verify rows beside a prefill chunk"
-
-
-@pytest.fixture(scope="module")
-def token_reading_head(untrained_head):
-    """The untrained head with its projection's token half nonzero: its drafts depend on the tokens its catch-up
-    reads (the untrained head's ignore them)."""
-    head = copy.deepcopy(untrained_head)
-    hidden = head.config.hidden_size
-    with torch.no_grad():
-        head.eh_proj.weight[:, :hidden] = torch.randn(hidden, hidden, generator=torch.Generator().manual_seed(3)) * 0.03
-    return head
-
-
-@pytest.mark.parametrize("temperature", [0.0, 1.0], ids=["greedy", "T=1"])
-@pytest.mark.parametrize("k", [1, 3])
-def test_verified_catch_up_schedule_gives_the_accepted_schedules_tokens_and_acceptance(
-        stories_model, stories_tokenizer, token_reading_head, workloads, k, temperature):
-    """The seed's schedule (the head over all K+1 verified positions before the accepted lengths are read) drafts
-    the same tokens as the default: seeded requests, greedy and at T=1, give the same outputs and the same
-    accepted-length histogram (the head reads its tokens, so a catch-up that read others would draft otherwise),
-    and pages stay in step with both caches."""
-    prompts, greedy = workloads["mixed"]
-    params = [dataclasses.replace(p, temperature=temperature, seed=i) for i, p in enumerate(greedy)]
-    runs = {}
-    for schedule in ("accepted", "verified"):
-        engine = Engine(stories_model, stories_tokenizer, [2], EngineConfig(
-            num_draft_tokens=k, backend="torch", page_size=8, num_pages=128, draft_catch_up=schedule))
-        engine.attach_drafter("mtp", token_reading_head)
-        runs[schedule] = drive(engine, prompts, params)
-    accepted, verified = runs["accepted"], runs["verified"]
-    assert verified.outputs == accepted.outputs and not verified.violations and not accepted.violations
-    assert verified.spec["accepted_length_histogram"] == accepted.spec["accepted_length_histogram"]
-    assert sum(verified.spec["accepted_length_histogram"][1:]) > 0, "no draft was ever accepted: a weak check"
-
-
-def test_verified_schedule_is_for_mtp_heads_only(stories_model):
-    engine = Engine(stories_model, config=EngineConfig(draft_catch_up="verified", num_pages=8))
-    with pytest.raises(ValueError, match="MTP head's schedule"):
-        engine.attach_drafter("draft", stories_model)
-    with pytest.raises(ValueError, match="draft_catch_up must be one of accepted, verified, got 'eager'"):
-        Engine(stories_model, config=EngineConfig(draft_catch_up="eager", num_pages=8)).attach_drafter(
-            "mtp", init_head_from_target(stories_model, "stories260K"))
-
-
-@pytest.mark.parametrize("k", [1, 3])
-def test_catch_up_on_the_verify_rows_drafts_as_over_the_accepted_spans(
-        stories_model, stories_tokenizer, untrained_head, workloads, monkeypatch, k):
-    """With the verify rows alone in the target's forward, the default schedule catches the head up over all K+1
-    verify rows on that forward's own page metadata: the drafter builds no metadata of its own after the prompts'
-    catch-up, and it drafts what a catch-up over the accepted spans drafts (the reference: the forward's metadata
-    withheld, as beside other requests' rows): the same outputs and accepted-length histogram on seeded T=1
-    requests. A broken control reading the carry at each request's last verify row instead of its last emitted one
-    drafts otherwise."""
-    import infer.engine as engine_module
-    import infer.speculative as speculative_module
-
-    prompts, greedy = workloads["mixed"]
-    params = [dataclasses.replace(p, temperature=1.0, seed=i) for i, p in enumerate(greedy)]
-    real_decode, real_build = engine_module.speculative_decode, speculative_module.build_page_metadata
-    builds = []
-
-    def run(*patches: tuple[object, str, object]) -> Run:
-        builds.clear()
-        with monkeypatch.context() as patch:
-            patch.setattr(speculative_module, "build_page_metadata", lambda *a: builds.append(1) or real_build(*a))
-            for target, name, value in patches:
-                patch.setattr(target, name, value)
-            engine = Engine(stories_model, stories_tokenizer, [2], EngineConfig(
-                num_draft_tokens=k, backend="torch", page_size=8, num_pages=128))
-            engine.attach_drafter("mtp", untrained_head)
-            return drive(engine, prompts, params)
-
-    verify_rows = run()
-    assert len(builds) == 1 and verify_rows.spec["verify_steps"] > 10  # the prompts' catch-up only
-    spans = run((engine_module, "speculative_decode",
-                 lambda forward, *args: real_decode(lambda ids: (forward(ids)[0], None), *args)))
-    assert len(builds) > 10  # the span path did run: a build per speculative step
-    assert verify_rows.outputs == spans.outputs and not verify_rows.violations and not spans.violations
-    assert verify_rows.spec["accepted_length_histogram"] == spans.spec["accepted_length_histogram"]
-    assert sum(spans.spec["accepted_length_histogram"][1:]) > 0, "no draft was ever accepted: a weak check"
-
-    real_rows = speculative_module.MTPDrafter._run_verify_rows
-
-    def last_verify_row(self, seqs, own_tokens, last_rows, target_hidden, verify_meta):
-        width = target_hidden.shape[1]
-        return real_rows(self, seqs, own_tokens, last_rows // width * width + width - 1, target_hidden, verify_meta)
-
-    broken = run((speculative_module.MTPDrafter, "_run_verify_rows", last_verify_row))
-    assert broken.spec["accepted_length_histogram"] != spans.spec["accepted_length_histogram"]
