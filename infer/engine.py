@@ -116,8 +116,9 @@ class EngineConfig:
     decode_run_steps: int = 16  # plain decode steps whose metadata and attention plan are built at once (1: per step)
 
 
-DECODE_RUN_MAX_SEQS = 32  # decode runs for batches up to this (1.12x at 32 sequences; at 128, where the batch
-                          # changes every few steps, they were 0.92x: see README)
+# decode runs for batches up to this: beyond, the batch changes every few steps and a run costs more than it saves
+# (see docs/benchmark_history.md)
+DECODE_RUN_MAX_SEQS = 32
 
 
 @dataclass
