@@ -173,8 +173,8 @@ def build_page_metadata(
                 k_shift = (2 * pages[page] - page) * page_size  # K rows: page p's rows start at 2p * page_size
                 k_rows.extend(range(k_shift + start, k_shift + end))
     # Two buffers (torch.tensor walks a list element by element, several times slower than array): the int32 indices
-    # and the int64 positions, slots and cache rows, each cut into views (an int32 buffer, not a cast of an int64 one:
-    # 0.6x the build at batch 1). The tensors share (and keep alive) the arrays. The cache rows are listed here, where
+    # and the int64 positions, slots and cache rows, each cut into views (an int32 buffer, not a cast of an int64 one,
+    # which costs the build more). The tensors share (and keep alive) the arrays. The cache rows are listed here, where
     # the five tensor ops of kv_rows would cost a forward's plan more.
     index_fields = ([0, *itertools.accumulate(q_lens)], [0, *itertools.accumulate(used)], kv_indices,
                     [kv_len - (n - 1) * page_size for kv_len, n in zip(kv_lens, used)], kv_lens)

@@ -123,9 +123,49 @@ def build_on_meta(config: PretrainedConfig, tp: TPGroup) -> torch.nn.Module:
         return getattr(importlib.import_module(module_name), class_name)(config, tp)
 
 
+_GLOBAL_HOOKS = ("_global_forward_hooks", "_global_forward_pre_hooks", "_global_backward_hooks",
+                 "_global_backward_pre_hooks")
+_MODULE_HOOKS = ("_forward_hooks", "_forward_pre_hooks", "_backward_hooks", "_backward_pre_hooks")
+_LEAN_CLASSES: dict[type, type] = {}
+
+
+def _call_forward(module: torch.nn.Module, *args, **kwargs):
+    return module.forward(*args, **kwargs)  # the instance's forward: one patched on a module still runs
+
+
+def serve_lean(model: torch.nn.Module) -> torch.nn.Module:
+    """Take nn.Module's per-call machinery out of a served model's forward, for every submodule without hooks;
+    returns the model. The loaders call it last (`load_model`, `load_head`); call it on a model built otherwise
+    before serving it, after its last move to another device or dtype.
+
+    On a small model that machinery is a sixth of a decode step (see docs/benchmark_history.md): `module(x)`
+    dispatches hooks around each forward, and each `self.weight` or `self.mlp` is a Python call into `__getattr__`.
+    Each module gets a subclass of its own class whose __call__ calls its forward (isinstance, names and state_dict
+    are unchanged), and its parameters and submodules become instance attributes too. nn.Module's __setattr__
+    drops such a copy when a parameter or submodule is replaced, so assign them as usual (never through
+    `_parameters` directly). A module with hooks (DeepSpeed ZeRO-3 places them on a model it trains) keeps the full
+    dispatch, and so does every module while a global hook is registered; a hook registered on a module after this
+    does not run (load with lean=False, hook, then call this).
+    """
+    if any(getattr(torch.nn.modules.module, name) for name in _GLOBAL_HOOKS):
+        return model
+    for module in model.modules():
+        cls = type(module)
+        if cls not in _LEAN_CLASSES.values():
+            if cls.__call__ is not torch.nn.Module.__call__ or any(getattr(module, name) for name in _MODULE_HOOKS):
+                continue
+            if cls not in _LEAN_CLASSES:
+                _LEAN_CLASSES[cls] = type(cls.__name__, (cls,), {"__call__": _call_forward, "__module__": cls.__module__,
+                                                                 "__qualname__": cls.__qualname__})
+            module.__class__ = _LEAN_CLASSES[cls]
+        module.__dict__.update(module._parameters)
+        module.__dict__.update(module._modules)
+    return model
+
+
 def load_model(
     path: str | Path, dtype: torch.dtype = torch.float32, device: str | torch.device = "cpu",
-    tp: TPGroup | None = None,
+    tp: TPGroup | None = None, lean: bool = True,
 ) -> torch.nn.Module:
     """Build the model on the meta device, then fill every parameter from the checkpoint's tensors.
 
@@ -135,6 +175,7 @@ def load_model(
     tp: the tensor-parallel group to shard over (default: the current one, see infer.parallel.init_tp); a
     sharded parameter (its module's `tp_shards`) is filled with just this rank's rows or columns, and the
     parameters other ranks own (`tp_foreign_params`, another rank's experts) are skipped unread.
+    lean: served without nn.Module's per-call machinery (`serve_lean`); False to hook the model first.
     """
     path = Path(path)
     config = load_config(path)
@@ -166,7 +207,8 @@ def load_model(
     model.load_state_dict(state, strict=False, assign=True)
     if tied:
         model.lm_head.weight = model.model.embed_tokens.weight
-    return model.to(device).eval().requires_grad_(False)
+    model = model.to(device).eval().requires_grad_(False)
+    return serve_lean(model) if lean else model
 
 
 def _join(prefix: str, name: str) -> str:

@@ -7,62 +7,80 @@ tensors are indexed by the same page ids, so one allocator serves both.
 sharded model, on rank 0 (where the engine schedules), broadcasts each step before running it; the other
 ranks run the same step through `forward` from `infer.parallel.serve_forever`.
 
-A runner serves its model without nn.Module's per-call machinery (`drop_module_overhead`): on small models that
-machinery is a sixth of a decode step.
+A runner serves the model it is given as it is; a loader makes the models it loads lean first
+(`infer.loader.serve_lean`: without nn.Module's per-call machinery).
 """
 
 from __future__ import annotations
 
 import time
+from dataclasses import dataclass
 
 import torch
 
-from infer.attention import FlashInferAttention, TorchAttention, resolve_backend_name
-from infer.kv_cache import PageMetadata
+from infer.attention import AttentionBackend, FlashInferAttention, TorchAttention, resolve_backend_name
+from infer.kv_cache import DecodeSteps, PageMetadata
 from infer.models.common import ModelOutput
 from infer.parallel import broadcast_step, group_of, register_runner
 
-
-_GLOBAL_HOOKS = ("_global_forward_hooks", "_global_forward_pre_hooks", "_global_backward_hooks",
-                 "_global_backward_pre_hooks")
-_MODULE_HOOKS = ("_forward_hooks", "_forward_pre_hooks", "_backward_hooks", "_backward_pre_hooks")
-_LEAN_CLASSES: dict[type, type] = {}
+DECODE_RUN_MAX_SEQS = 32  # decode runs serve batches up to this: past it the batch changes every few steps and a
+                          # step's plan is a small share of it (see docs/benchmark_history.md)
 
 
-def _call_forward(module: torch.nn.Module, *args, **kwargs):
-    return module.forward(*args, **kwargs)  # the instance's forward: one patched on a module still runs
+@dataclass
+class _DecodeRun:
+    """A run's steps, the batch's requests in order, their kv lengths at its first step, and the next step."""
+
+    steps: DecodeSteps
+    request_ids: list[int]
+    first_kv_lens: list[int]
+    next: int = 1
 
 
-def drop_module_overhead(model: torch.nn.Module) -> None:
-    """Take nn.Module's per-call machinery out of a served model's forward, for every submodule without hooks.
+class DecodeRuns:
+    """Plain decode steps planned at once: while a batch stays the same requests in the same order, each step is
+    the next of a run built at once (`DecodeSteps`: one metadata build and one attention plan per run instead of
+    one per step; each step reads the run's last step's pages, masked). A run lasts up to twice as many steps as the
+    last one served (up to max_steps), so runs stay about as short as the batch stays the same."""
 
-    On a small model it is a sixth of a decode step (stories260K, one thread, plain decode: 1.21x tokens/s at batch
-    1, 1.15x at 8): `module(x)` dispatches hooks around each forward, and each `self.weight` or `self.mlp` is a
-    Python call into `__getattr__`. Each module gets a subclass of its own class whose __call__ calls its forward
-    (isinstance, names and state_dict are unchanged), and its parameters and submodules become instance attributes
-    too. nn.Module's __setattr__ drops such a copy when a parameter or submodule is replaced, so assign them as usual
-    (never through `_parameters` directly); a model moved to another device or dtype is served anew. A module with
-    hooks (DeepSpeed ZeRO-3 places them on a model it trains) keeps the full dispatch, and so does every module
-    while a global hook is registered; a hook registered on a module after this does not run.
-    """
-    if any(getattr(torch.nn.modules.module, name) for name in _GLOBAL_HOOKS):
-        return
-    for module in model.modules():
-        cls = type(module)
-        if cls not in _LEAN_CLASSES.values():
-            if cls.__call__ is not torch.nn.Module.__call__ or any(getattr(module, name) for name in _MODULE_HOOKS):
-                continue
-            if cls not in _LEAN_CLASSES:
-                _LEAN_CLASSES[cls] = type(cls.__name__, (cls,), {"__call__": _call_forward, "__module__": cls.__module__,
-                                                                 "__qualname__": cls.__qualname__})
-            module.__class__ = _LEAN_CLASSES[cls]
-        module.__dict__.update(module._parameters)
-        module.__dict__.update(module._modules)
+    def __init__(self, attn: AttentionBackend, max_steps: int, page_size: int, device: torch.device) -> None:
+        self.attn, self.max_steps, self.page_size, self.device = attn, max_steps, page_size, device
+        self.next_steps = max_steps  # the most steps the next run may take
+        self._run: _DecodeRun | None = None
+
+    def next_step(self, request_ids: list[int], kv_lens: list[int]) -> PageMetadata | None:
+        """The batch's step of the current run where it continues it (the same requests in the same order, each
+        one token further, steps left); otherwise the run ends and None."""
+        run = self._run
+        if run is None:
+            return None
+        if (run.next < run.steps.num_steps and request_ids == run.request_ids
+                and kv_lens == [kv + run.next for kv in run.first_kv_lens]):
+            run.next += 1
+            return run.steps.step(run.next - 1)
+        self._run, self.next_steps = None, min(2 * run.next, self.max_steps)
+        return None
+
+    def fits(self, kv_lens: list[int]) -> bool:
+        """Whether a new run may serve a batch of one-token rows with these kv lengths: runs of more than one step,
+        up to DECODE_RUN_MAX_SEQS sequences, where the backend attends a run as it would attend each step
+        (`AttentionBackend.serves_decode_run`)."""
+        return self.max_steps > 1 and len(kv_lens) <= DECODE_RUN_MAX_SEQS and self.attn.serves_decode_run(kv_lens)
+
+    def start(self, request_ids: list[int], page_lists: list[list[int]], kv_lens: list[int],
+              steps: int) -> PageMetadata:
+        """A new run of `steps` steps over the batch, whose page tables already hold the pages its steps write;
+        returns its first step."""
+        first_positions = [kv - 1 for kv in kv_lens]
+        self._run = _DecodeRun(DecodeSteps(page_lists, first_positions, steps, self.page_size, self.device),
+                               list(request_ids), list(kv_lens))
+        return self._run.steps.step(0)
 
 
 class ModelRunner:
-    def __init__(self, model: torch.nn.Module, num_pages: int, page_size: int, backend: str = "auto") -> None:
-        drop_module_overhead(model)
+    def __init__(self, model: torch.nn.Module, num_pages: int, page_size: int, backend: str = "auto",
+                 decode_run_steps: int = 16) -> None:
+        """decode_run_steps: the longest run of plain decode steps planned at once (`decode_runs`; 1: none)."""
         self.model = model
         param = next(model.parameters())
         self.device, self.dtype = param.device, param.dtype
@@ -72,6 +90,7 @@ class ModelRunner:
             self.attn = FlashInferAttention(dtype=self.dtype, device=self.device, **model.attention_dims())
         else:
             self.attn = TorchAttention()
+        self.decode_runs = DecodeRuns(self.attn, decode_run_steps, page_size, self.device)
         self.tp = group_of(model)
         self.runner_id = register_runner(self) if self.tp.size > 1 else None  # the same on every rank
         # seconds this rank has spent in `run` (a forward and its broadcast): on a CPU the forwards' time, on a GPU
@@ -88,7 +107,7 @@ class ModelRunner:
         """model_inputs: aux_layers=(...) for a language model, hidden_states=[T, H] for an MTP head.
 
         In inference mode, entered here unless the caller is in it already (`Engine.step` enters it once for its
-        five or so forwards: each entry costs about 5 us, a tenth of a speculative step's host work at batch 1)."""
+        five or so forwards: each entry costs host time, see docs/benchmark_history.md)."""
         if not torch.is_inference_mode_enabled():
             with torch.inference_mode():
                 return self.run(input_ids, meta, logits_indices, **model_inputs)

@@ -6,4 +6,5 @@
 set -euo pipefail
 cd "$(dirname "$0")/.."
 ASSETS=${ASSETS:-../shared/assets}
-timeout "${GPU_CHECK_TIMEOUT:-600}" "${PYTHON:-python3}" -m infer.gpu_check --stories "$ASSETS/stories260K/hf-reference" "$@"
+timeout "${GPU_CHECK_TIMEOUT:-600}" "${PYTHON:-python3}" -m infer.bench.gpu_check \
+    --stories "$ASSETS/stories260K/hf-reference" "$@"

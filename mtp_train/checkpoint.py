@@ -1,65 +1,165 @@
-"""Resumable training checkpoints: DeepSpeed's folder, guarded by a JSON identity of the run written beside it.
+"""Resumable training checkpoints: DeepSpeed's folder, guarded by a JSON identity of the run, visible only complete.
 
 `checkpoint_dir/step_N/` holds DeepSpeed's shards (the head's parameters, optimizer and lr-scheduler state, split
-as the ZeRO stage splits them) and `run.json`; `checkpoint_dir/latest` names the newest tag. The target's tensors
-are never in it (they are not parameters of the trained module).
+as the ZeRO stage splits them), `run.json` (the step and the run's identity) and `files.json` (every file's size
+and sha256); `checkpoint_dir/latest` names the newest tag. The target's tensors are never in it.
 
-`run.json` holds the step and everything that decides the data order and the objective: the target and the
-features' identity, seed, batch layout (micro batch, sequence length, accumulation, world size), held-out records,
-head and loss config. It is written (atomically) before DeepSpeed writes the tag, and `resume` reads and compares it
-before DeepSpeed unpickles anything: a folder received from someone else, or a run changed since, is refused with
-the field named, unless the override `trainer.resume_ignore_mismatch=true` says to continue anyway. Head config
-fields added since a checkpoint was written are no mismatch while this run holds their defaults (`comparable`). DeepSpeed's
-shards are torch pickles; they are loaded only after that check, and then with torch.load(weights_only=True)
-(mtp_train.distributed), so a planted file cannot run code.
+A save is staged: every rank writes into `.step_N.partial/`; after a barrier (all ranks done) rank 0 writes
+run.json and files.json, renames the folder to `step_N` and then moves `latest`, and a last barrier releases the
+ranks. A run killed mid-save leaves a `.partial` folder, never a `step_N` or a `latest` naming one that is not whole.
+
+`resume` picks, on rank 0, the newest checkpoint whose files match files.json (`latest` first): a damaged one is
+passed over with a note naming the file, and all ranks load the one chosen. Before DeepSpeed unpickles anything it
+compares run.json with this run (target and features' identity, seed, batch layout, world size, held-out records,
+head and loss config): a folder received from someone else, or a run changed since, is refused with the field
+named unless `trainer.resume_ignore_mismatch=true`. Head config fields added since a checkpoint was written are no
+mismatch while this run holds their defaults (`comparable`). DeepSpeed's shards are torch pickles, loaded with
+torch.load(weights_only=True) (mtp_train.distributed), so a planted file cannot run code.
 """
 
 from __future__ import annotations
 
+import hashlib
 import json
+import os
 import pickle
+import re
+import shutil
+import sys
 from pathlib import Path
 
 from infer.models.mtp_head import config_identity
+from mtp_train import distributed
 from mtp_train.distributed import ZeroHead
 
 RUN_FILE = "run.json"
+FILES_FILE = "files.json"  # written last into a staged checkpoint: its files' sizes and sha256
+LATEST = "latest"
+_TAG = re.compile(r"step_(\d+)")
 
 
 class ResumeError(ValueError):
-    """A checkpoint that does not belong to this run; the message names the field."""
+    """A checkpoint that does not belong to this run, or none whole; the message names the field or file."""
 
 
 def tag(step: int) -> str:
     return f"step_{step}"
 
 
+def _staging(checkpoint_dir: Path, step: int) -> Path:
+    return checkpoint_dir / f".{tag(step)}.partial"
+
+
+def _write_atomic(path: Path, text: str) -> None:
+    tmp = path.with_name(f".{path.name}.tmp")
+    with open(tmp, "w") as f:
+        f.write(text)
+        f.flush()
+        os.fsync(f.fileno())
+    tmp.replace(path)
+
+
+def _sha256(path: Path) -> str:
+    digest = hashlib.sha256()
+    with open(path, "rb") as f:
+        while block := f.read(1 << 22):
+            digest.update(block)
+    return digest.hexdigest()
+
+
+def _listing(folder: Path) -> dict[str, dict]:
+    """Every file below `folder` but the two JSON files that describe it: relative path -> size and sha256."""
+    return {str(p.relative_to(folder)): {"size": p.stat().st_size, "sha256": _sha256(p)}
+            for p in sorted(folder.rglob("*")) if p.is_file() and p.name not in (RUN_FILE, FILES_FILE)}
+
+
+def _sync_folder(folder: Path) -> None:
+    """Its files' bytes on disk before the rename that publishes them (a crash of the machine, not only of the run)."""
+    for path in folder.rglob("*"):
+        if path.is_file():
+            with open(path, "rb") as f:
+                os.fsync(f.fileno())
+
+
 def save(zero_head: ZeroHead, checkpoint_dir: str | Path, step: int, identity: dict, rank: int) -> None:
-    """Collective: rank 0 writes run.json, then every rank writes its DeepSpeed shard."""
-    folder = Path(checkpoint_dir) / tag(step)
-    if rank == 0:
-        folder.mkdir(parents=True, exist_ok=True)
-        tmp = folder / f".{RUN_FILE}.tmp"
-        tmp.write_text(json.dumps({"step": step, **identity}, indent=2, sort_keys=True) + "\n")
-        tmp.replace(folder / RUN_FILE)
-    zero_head.save(checkpoint_dir, tag(step), client_state={"step": step})
-
-
-def latest_identity(checkpoint_dir: str | Path) -> tuple[Path, dict] | None:
-    """(run.json path, its contents) of the checkpoint `latest` names; None when there is no checkpoint."""
+    """Collective: every rank writes its DeepSpeed shard into the staging folder, then rank 0 publishes it whole."""
     checkpoint_dir = Path(checkpoint_dir)
-    latest = checkpoint_dir / "latest"
-    if not latest.is_file():
-        return None
-    run_file = checkpoint_dir / latest.read_text().strip() / RUN_FILE
+    staging, final = _staging(checkpoint_dir, step), checkpoint_dir / tag(step)
+    if rank == 0:  # a save of this step killed earlier left its partial folder: this one replaces it
+        shutil.rmtree(staging, ignore_errors=True)
+        checkpoint_dir.mkdir(parents=True, exist_ok=True)
+    distributed.barrier()
+    zero_head.save(checkpoint_dir, staging.name, client_state={"step": step})
+    distributed.barrier()  # every rank's files are written and closed
+    if rank == 0:
+        _sync_folder(staging)
+        _write_atomic(staging / RUN_FILE, json.dumps({"step": step, **identity}, indent=2, sort_keys=True) + "\n")
+        _write_atomic(staging / FILES_FILE, json.dumps(_listing(staging), indent=1, sort_keys=True) + "\n")
+        if final.exists():  # this step saved before a crash that came before `latest` moved: ours, replaced
+            shutil.rmtree(final)
+        staging.rename(final)
+        _write_atomic(checkpoint_dir / LATEST, tag(step))
+    distributed.barrier()
+
+
+def _problem(folder: Path) -> str | None:
+    """Why the checkpoint in `folder` cannot be resumed from (naming the file), or None when it is whole."""
+    run_file, files_file = folder / RUN_FILE, folder / FILES_FILE
+    if not folder.is_dir():
+        return f"{folder} does not exist"
     if not run_file.is_file():
-        raise ResumeError(f"{run_file} is missing: {checkpoint_dir} was not written by this trainer (its checkpoints "
-                          "are not loaded without one); point trainer.checkpoint_dir elsewhere or set "
-                          "trainer.resume=false")
+        return f"{run_file} is missing"
+    if not files_file.is_file():
+        return None  # written before checkpoints listed their files: taken as it is (noted by resume)
     try:
-        return run_file, json.loads(run_file.read_text())
+        listed = json.loads(files_file.read_text())
     except json.JSONDecodeError as err:
-        raise ResumeError(f"{run_file} is not JSON: {err}") from err
+        return f"{files_file} is not JSON ({err})"
+    for name, expected in listed.items():
+        path = folder / name
+        if not path.is_file():
+            return f"{path} is missing"
+        if path.stat().st_size != expected["size"]:
+            return f"{path} has {path.stat().st_size:,} bytes, {files_file.name} lists {expected['size']:,}"
+        if _sha256(path) != expected["sha256"]:
+            return f"{path} does not match its sha256 in {files_file.name}"
+    return None
+
+
+def _candidates(checkpoint_dir: Path) -> list[Path]:
+    """The tag `latest` names first, then every step_N folder, newest first."""
+    steps = sorted((int(m.group(1)), p) for p in checkpoint_dir.glob("step_*")
+                   if p.is_dir() and (m := _TAG.fullmatch(p.name)))
+    ordered = [p for _, p in reversed(steps)]
+    latest = checkpoint_dir / LATEST
+    if latest.is_file():
+        named = checkpoint_dir / latest.read_text().strip()
+        ordered = [named] + [p for p in ordered if p != named]
+    return ordered
+
+
+def choose(checkpoint_dir: str | Path) -> Path | None:
+    """The newest whole checkpoint (rank 0's choice, module docstring); None when there is none to resume from.
+    A damaged one is passed over with a note; when every one is damaged, a ResumeError names the newest's fault."""
+    checkpoint_dir = Path(checkpoint_dir)
+    for partial in sorted(checkpoint_dir.glob(".step_*.partial")):
+        print(f"note: removing {partial}: a save that did not finish", file=sys.stderr)
+        shutil.rmtree(partial, ignore_errors=True)
+    problems = []
+    for folder in _candidates(checkpoint_dir):
+        problem = _problem(folder)
+        if problem is None:
+            if problems:
+                print(f"note: resuming from {folder}, the newest whole checkpoint ({'; '.join(problems)})",
+                      file=sys.stderr)
+            if not (folder / FILES_FILE).is_file():
+                print(f"note: {folder} lists no files (an earlier version wrote it): loaded unverified", file=sys.stderr)
+            return folder
+        problems.append(problem)
+    if problems:
+        raise ResumeError(f"no checkpoint in {checkpoint_dir} can be resumed from: {problems[0]}; point "
+                          "trainer.checkpoint_dir elsewhere or set trainer.resume=false")
+    return None
 
 
 def mismatches(saved: dict, mine: dict, prefix: str = "") -> list[str]:
@@ -83,12 +183,26 @@ def comparable(identity: dict) -> dict:
     return {**identity, "head": config_identity(identity["head"])}
 
 
-def resume(zero_head: ZeroHead, checkpoint_dir: str | Path, identity: dict, ignore_mismatch: bool) -> int:
-    """Load checkpoint_dir/latest when there is one; returns the step count to continue from (0 without)."""
-    found = latest_identity(checkpoint_dir)
+def resume(zero_head: ZeroHead, checkpoint_dir: str | Path, identity: dict, ignore_mismatch: bool,
+           rank: int = 0) -> int:
+    """Collective: load the newest whole checkpoint when there is one; the step count to continue from (0 without).
+    Rank 0 chooses and every rank loads its choice, so ranks never load different steps."""
+    found, error = None, None
+    if rank == 0:
+        try:
+            found = choose(checkpoint_dir)
+        except ResumeError as err:
+            error = str(err)
+    found, error = distributed.broadcast_object((found, error))
+    if error is not None:
+        raise ResumeError(error)
     if found is None:
         return 0
-    run_file, saved = found
+    run_file = found / RUN_FILE
+    try:
+        saved = json.loads(run_file.read_text())
+    except json.JSONDecodeError as err:
+        raise ResumeError(f"{run_file} is not JSON: {err}") from err
     step = saved.pop("step", None)
     if not isinstance(step, int):
         raise ResumeError(f"{run_file}: no step count")
@@ -97,9 +211,9 @@ def resume(zero_head: ZeroHead, checkpoint_dir: str | Path, identity: dict, igno
         raise ResumeError(f"{run_file}: this run differs from the checkpoint's ({'; '.join(differences[:3])}); "
                           "set trainer.resume_ignore_mismatch=true to continue anyway, or use another output_dir")
     try:
-        path, client_state = zero_head.load(checkpoint_dir)
+        path, client_state = zero_head.load(found.parent, found.name)
     except (pickle.UnpicklingError, RuntimeError, OSError, EOFError) as err:
-        raise ResumeError(f"{run_file.parent}: DeepSpeed's checkpoint cannot be loaded safely: "
+        raise ResumeError(f"{found}: DeepSpeed's checkpoint cannot be loaded safely: "
                           f"{str(err).splitlines()[0] if str(err) else type(err).__name__}") from err
     if path is None or client_state.get("step") != step:
         raise ResumeError(f"{run_file}: the DeepSpeed checkpoint beside it cannot be loaded")

@@ -48,6 +48,10 @@ class TrainerConfig:
     resume: bool = True
     resume_ignore_mismatch: bool = False  # resume a checkpoint whose run.json differs from this run (named fields)
     device: str = field(default="auto", metadata=one_of("auto", "cpu", "cuda"))
+    deterministic: bool = False  # CUDA: deterministic kernels, bitwise-equal runs (CPU runs are without it)
+    # a collective waiting this long on a peer fails the job (a rank that died on another node); covers the
+    # longest one-rank stretch (rank 0's validation and checkpoint hashing while the others wait)
+    collective_timeout_s: float = field(default=1800.0, metadata=at_least(1.0))
     progress: bool = True
     log_every: int = field(default=10, metadata=at_least(1))
     pad_tokens_to: int = field(default=256, metadata=at_least(1))  # a micro batch's tokens: a multiple (data.pad_tokens)

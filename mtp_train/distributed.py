@@ -7,12 +7,15 @@ process) gives the ranks; gloo on CPU, nccl on GPU.
 from __future__ import annotations
 
 import os
+import random
 import socket
 import sys
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
+from datetime import timedelta
 from pathlib import Path
 
+import numpy as np
 import torch
 import torch.distributed as dist
 from omegaconf import DictConfig
@@ -25,8 +28,9 @@ def _free_port() -> int:
         return s.getsockname()[1]
 
 
-def init(device: str) -> tuple[int, int, torch.device]:
-    """(rank, world_size, this rank's device). A plain `python -m` run becomes a world of one."""
+def init(device: str, timeout_s: float = 1800.0) -> tuple[int, int, torch.device]:
+    """(rank, world_size, this rank's device). A plain `python -m` run becomes a world of one. A collective that
+    waits on a peer for `timeout_s` raises instead of hanging (a peer on another node that died silently)."""
     if "RANK" not in os.environ:  # not launched by torchrun: a single-process world
         os.environ.update(RANK="0", LOCAL_RANK="0", WORLD_SIZE="1", MASTER_ADDR="127.0.0.1",
                           MASTER_PORT=str(_free_port()))
@@ -37,13 +41,30 @@ def init(device: str) -> tuple[int, int, torch.device]:
 
     if not use_cuda:  # DeepSpeed's CPU shared-memory all-reduce JIT-compiles for a minute: gloo is enough here
         sys.modules["deepspeed.comm.torch"].build_shm_op = lambda: None
-    deepspeed.init_distributed(dist_backend="nccl" if use_cuda else "gloo", auto_mpi_discovery=False)
+    deepspeed.init_distributed(dist_backend="nccl" if use_cuda else "gloo", auto_mpi_discovery=False,
+                               timeout=timedelta(seconds=timeout_s))
     rank, world = dist.get_rank(), dist.get_world_size()
     if use_cuda:
         local = int(os.environ.get("LOCAL_RANK", 0))
         torch.cuda.set_device(local)
         return rank, world, torch.device("cuda", local)
     return rank, world, torch.device("cpu")
+
+
+def set_determinism(seed: int, deterministic: bool, device: torch.device) -> None:
+    """Seed every RNG the run draws from (the head's initialisation, library internals) from the run's seed: torch
+    seeds its default generator at random on import, so an unseeded run is another run. `deterministic` also makes
+    CUDA pick deterministic kernels (cuBLAS workspace, attention backward); CPU kernels already are at a fixed
+    thread count, and fp32 runs there are bitwise equal without it (tests/test_train_run.py)."""
+    random.seed(seed)
+    np.random.seed(seed % 2**32)
+    torch.manual_seed(seed)  # every device's default generator
+    if deterministic:
+        os.environ.setdefault("CUBLAS_WORKSPACE_CONFIG", ":4096:8")  # read when cuBLAS makes its first handle
+        torch.use_deterministic_algorithms(True)
+        torch.backends.cudnn.benchmark = False
+        if device.type == "cuda":
+            torch.backends.cuda.matmul.allow_tf32 = False
 
 
 def native_bf16(device: torch.device) -> bool:
@@ -79,6 +100,26 @@ def all_gather_lists(items: list) -> list:
         dist.all_gather_object(gathered, items)
         return [item for part in gathered for item in part]
     return list(items)
+
+
+# What a collective raises on a rank whose peer has left the job (gloo's transport, NCCL's watchdog, c10d): the
+# failure is the peer's, and its own message is the one to read.
+_PEER_GONE = ("Connection closed by peer", "Connection reset by peer", "remote worker crashing", "NCCL communicator was aborted")
+
+
+def peer_failed(err: BaseException) -> bool:
+    """Whether `err` is this rank's collective failing because another rank left (crashed, or stopped by an error)."""
+    backend_errors = tuple(getattr(dist, name) for name in ("DistBackendError", "DistNetworkError") if hasattr(dist, name))
+    return isinstance(err, backend_errors) or (isinstance(err, RuntimeError) and any(s in str(err) for s in _PEER_GONE))
+
+
+def broadcast_object(obj: object) -> object:
+    """Rank 0's picklable `obj` on every rank (a world of one: `obj`)."""
+    if dist.is_initialized() and dist.get_world_size() > 1:
+        box = [obj]
+        dist.broadcast_object_list(box, src=0)
+        return box[0]
+    return obj
 
 
 def barrier() -> None:
@@ -182,13 +223,14 @@ class ZeroHead:
             yield
 
     def save(self, checkpoint_dir: str | Path, tag: str, client_state: dict) -> None:
-        """Collective: every rank writes its shard of parameters and optimizer state."""
-        self._engine.save_checkpoint(str(checkpoint_dir), tag=tag, client_state=client_state)
+        """Collective: every rank writes its shard of parameters and optimizer state into checkpoint_dir/tag
+        (mtp_train.checkpoint publishes the folder and moves `latest`)."""
+        self._engine.save_checkpoint(str(checkpoint_dir), tag=tag, client_state=client_state, save_latest=False)
 
-    def load(self, checkpoint_dir: str | Path) -> tuple[str | None, dict]:
-        """(path loaded, client state) of checkpoint_dir/latest; (None, {}) when it cannot be loaded.
+    def load(self, checkpoint_dir: str | Path, tag: str) -> tuple[str | None, dict]:
+        """(path loaded, client state) of checkpoint_dir/tag; (None, {}) when it cannot be loaded.
 
         Every file is read with torch.load(weights_only=True): a pickle that would build anything but tensors,
         containers and the DEEPSPEED_SAFE_GLOBALS raises pickle.UnpicklingError instead of running."""
-        path, client_state = self._engine.load_checkpoint(str(checkpoint_dir))
+        path, client_state = self._engine.load_checkpoint(str(checkpoint_dir), tag=tag)
         return path, client_state or {}

@@ -45,6 +45,7 @@ from torch import nn
 from transformers import PretrainedConfig
 
 from data_tools.config import CONF_DIR, DTYPE_NAMES, compose
+from infer.bench.speedup import timing_context
 from infer.cli import run_cli
 from infer.engine import EngineConfig
 from infer.kv_cache import pages_needed
@@ -52,7 +53,6 @@ from infer.loader import DTYPES, build_on_meta
 from infer.models.common import RMSNorm
 from infer.models.mtp_head import DraftHead, head_module
 from infer.parallel import ShardingError, TPGroup, divisors, sharding_over
-from infer.speedup import timing_context
 from mtp_train.config import compose_training
 from mtp_train.heads import head_config
 from mtp_train.target import target_config

@@ -93,8 +93,8 @@ class _QuietAfterUserError(logging.Filter):
 
 
 def _agent(args: argparse.Namespace) -> int:
-    """Run torchrun's agent; a failure made only of user errors (and the workers stopped for them) is one line
-    per distinct message, anything else propagates to torchrun's report."""
+    """Run torchrun's agent; a failure with a user error is one line per distinct message (the other ranks'
+    failures follow from it), anything else propagates to torchrun's report."""
     from torch.distributed import run as torchrun  # noqa: PLC0415 - keep the worker half free of torch
     from torch.distributed.elastic.multiprocessing.api import SignalException  # noqa: PLC0415
     from torch.distributed.elastic.multiprocessing.errors import ChildFailedError  # noqa: PLC0415
@@ -104,8 +104,10 @@ def _agent(args: argparse.Namespace) -> int:
     except ChildFailedError as err:
         failures = [err.failures[rank] for rank in sorted(err.failures)]
         user = [f for f in failures if _is_user_error(f.error_file_data)]
-        if not user or any(f.exitcode >= 0 and not _is_user_error(f.error_file_data) for f in failures):
-            raise  # a crash beside it, not just workers stopped by the agent: torchrun's report
+        if not user:
+            raise  # a crash: torchrun's report, the first failure as its root cause
+        # The other ranks' failures follow from it (stopped by the agent, or their collective with the rank that
+        # left failed): the user's mistake is the one line to read.
         print("\n".join(dict.fromkeys(f.message for f in user)), file=sys.stderr)
         return USER_ERROR_EXIT
     except SignalException as err:  # the agent has stopped the workers; its warning named the signal

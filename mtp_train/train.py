@@ -11,6 +11,7 @@ summary.json; run.lock while the run lasts (mtp_train.run_lock: one run per fold
 
 from __future__ import annotations
 
+import os
 import sys
 from pathlib import Path
 
@@ -42,10 +43,16 @@ def train(cfg: DictConfig) -> None:
 
     try:
         Trainer(cfg).fit()
-    except USER_ERRORS as err:  # a config or data mistake: one line, no traceback
-        launch.exit_on_user_error(err)
-    finally:
-        distributed.shutdown()
+    except BaseException as err:
+        # No barrier on the way out: the peers may be waiting in a collective this rank will never join. Its exit
+        # ends theirs (torchrun's agent stops the other workers; a peer's gloo collective fails at once).
+        if isinstance(err, USER_ERRORS):  # a config or data mistake: one line, no traceback
+            launch.exit_on_user_error(err)
+        if distributed.peer_failed(err):  # the other rank's error is the one to read: no second traceback
+            print(f"note: rank {os.environ.get('RANK', 0)} stopped: {str(err).splitlines()[0]}", file=sys.stderr)
+            raise SystemExit(1) from err
+        raise
+    distributed.shutdown()
 
 
 def precheck_overrides(argv: list[str]) -> None:

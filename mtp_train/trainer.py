@@ -65,7 +65,8 @@ class Trainer:
     def __init__(self, cfg: DictConfig) -> None:
         self.cfg = cfg
         t = cfg.trainer
-        self.rank, self.world, self.device = distributed.init(t.device)
+        self.rank, self.world, self.device = distributed.init(t.device, t.collective_timeout_s)
+        distributed.set_determinism(cfg.seed, t.deterministic, self.device)  # before anything draws a random number
         if self.device.type == "cpu":  # a CPU step's activations, freed and allocated again every step, stay mapped
             keep_freed_memory()
         if t.autocast and not distributed.native_bf16(self.device) and self.rank == 0:
@@ -95,7 +96,8 @@ class Trainer:
         self.zero_head = distributed.ZeroHead(self.objective, param_groups(self.head, t.weight_decay),
                                               distributed.deepspeed_config(t),
                                               warmup_cosine(t.warmup_steps, t.max_steps, t.min_lr_ratio))
-        self.step = (checkpoint.resume(self.zero_head, t.checkpoint_dir, self.identity, t.resume_ignore_mismatch)
+        self.step = (checkpoint.resume(self.zero_head, t.checkpoint_dir, self.identity, t.resume_ignore_mismatch,
+                                       self.rank)
                      if t.resume else 0)
         self.served: Engine | None = None  # the target in infer/, for validation (loaded on first use)
         self.serving = self.serving_group() if cfg.validate.enabled else None

@@ -9,7 +9,7 @@ On held-out prompts (default: infer.prompts.VALIDATION_PROMPTS, 64 story opening
 temperature (greedy and T=1 by default): the conditional acceptance at each draft position k (drafts accepted at k /
 steps that reached k) with its standard error, the unconditional share (accepted at k / verify steps, labelled so),
 tau (tokens per target forward while speculating) and the accepted-length histogram; speculative against plain
-decoding timed in the same run, beside the ideal speedup (`infer.speedup`). Once, on the plain engine's greedy
+decoding timed in the same run, beside the ideal speedup (`infer.bench.speedup`). Once, on the plain engine's greedy
 continuations: the trainer's own unroll (mtp_train.unroll: TTT attention, the head fed its own states) gives its
 per-step top-1 and its conditional top-1 on the same text; more than 2 points between that and the runtime's
 greedy conditional acceptance at any position sets `gap_flag`. docs/validation.md says what each figure means.
@@ -33,19 +33,20 @@ from torch import nn
 
 from data_tools.config import ConfigError
 from infer.attention import PackedCausalAttention
+from infer.bench.forward_costs import ForwardCosts
+from infer.bench.speedup import (
+    SPEC_MIN_NEW_TOKENS, TIMING_TOKENS, Comparison, IdealShare, TimingEngines, compare, cost_context,
+    recommend_k_by_batch, timed_costs, timed_generate, timing_context, timing_engines,
+)
 from infer.cli import CliError, parse_floats, parse_ints, run_cli
-from infer.engine import Engine, ForwardCosts
+from infer.engine import Engine
 from infer.kv_cache import pages_needed
-from infer.loader import DTYPES
+from infer.loader import DTYPES, serve_lean
 from infer.models.common import ModelOutput
 from infer.models.mtp_head import DRAFTER_KINDS, DraftHead, attach_to_target, copy_head, load_head
 from infer.parallel import group_of, init_tp, on_rank0, serve_forever, tp_main, whole_weight
 from infer.prompts import VALIDATION_PROMPTS, read_prompt_file
 from infer.sampling_params import SamplingParams
-from infer.speedup import (
-    SPEC_MIN_NEW_TOKENS, TIMING_TOKENS, Comparison, IdealShare, TimingEngines, compare, cost_context,
-    recommend_k_by_batch, timed_costs, timed_generate, timing_context, timing_engines,
-)
 from mtp_train.data import PackedBatch, step_token_counts, unroll_plan
 from mtp_train.unroll import LossWeights, UnrolledHead, per_step_means
 
@@ -54,9 +55,9 @@ GAP_POINTS = 0.02  # trainer conditional top-1 vs runtime greedy conditional acc
 
 def serving_head(head: str | Path | DraftHead, model: nn.Module) -> DraftHead:
     """The head as the runtime serves it: loaded from its folder, or a copy of an in-memory head (the trainer's
-    module is left as it is) attached to the target."""
+    module is left as it is) attached to the target, lean as a loaded one."""
     if isinstance(head, DraftHead):
-        return attach_to_target(copy_head(head), model, where="the in-memory head")
+        return serve_lean(attach_to_target(copy_head(head), model, where="the in-memory head"))
     return load_head(head, model)
 
 
@@ -219,7 +220,7 @@ def validate_head(
 
     target: a model folder (loaded in dtype on device) or an Engine (its model, tokenizer, stop ids and settings).
     prompts: text (the target needs a tokenizer) or token ids; None: infer.prompts.VALIDATION_PROMPTS.
-    recommend_for: batch sizes to recommend a K for (infer.speedup), from the greedy run's conditional acceptance
+    recommend_for: batch sizes to recommend a K for (infer.bench.speedup), from the greedy run's conditional acceptance
     (or the first run's); () skips it.
     ideal: price each run's ideal speedup by forward costs timed beside it (most of a short validation's forwards);
     False leaves ideal_speedup, achieved_over_ideal and forward_ms out (None, {}): the trainer's validations log

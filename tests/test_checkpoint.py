@@ -1,4 +1,5 @@
-"""Resume's identity check (mtp_train.checkpoint) across versions of the head config.
+"""Resume's identity check (mtp_train.checkpoint) across versions of the head config, and its choice of the newest
+whole checkpoint.
 
 A DeepSeek-V2 run saved before the head config gained hidden_state, mlp, the EAGLE-3 fields and the decoder's MoE
 fields resumes under this version while the run keeps those fields at their defaults (a dense head ignores the MoE
@@ -28,9 +29,9 @@ class StandInZeroHead:
     def __init__(self, step: int) -> None:
         self.step, self.loaded = step, False
 
-    def load(self, checkpoint_dir: Path) -> tuple[Path, dict]:
+    def load(self, checkpoint_dir: Path, tag: str) -> tuple[Path, dict]:
         self.loaded = True
-        return Path(checkpoint_dir), {"step": self.step}
+        return Path(checkpoint_dir) / tag, {"step": self.step}
 
 
 def identity(**head_changes) -> dict:
@@ -87,3 +88,50 @@ def test_a_changed_moe_field_of_an_moe_head_is_refused(tmp_path):
     mine["head"]["decoder"]["n_routed_experts"] = 8
     with pytest.raises(checkpoint.ResumeError, match="head.decoder.n_routed_experts: checkpoint 4, this run 8"):
         checkpoint.resume(StandInZeroHead(2), folder, mine, ignore_mismatch=False)
+
+
+def whole_checkpoint(folder: Path, step: int) -> Path:
+    """checkpoint_dir/step_N as `save` publishes it: a shard, run.json and files.json listing the shard."""
+    tagged = folder / checkpoint.tag(step)
+    tagged.mkdir(parents=True)
+    (tagged / "zero_pp_rank_1_mp_rank_00_optim_states.pt").write_bytes(bytes(range(256)) * 40)
+    (tagged / checkpoint.RUN_FILE).write_text(json.dumps({"step": step, **identity()}))
+    (tagged / checkpoint.FILES_FILE).write_text(json.dumps(checkpoint._listing(tagged)))
+    (folder / "latest").write_text(checkpoint.tag(step))
+    return tagged
+
+
+def test_resume_passes_over_a_damaged_checkpoint_to_the_newest_whole_one_naming_the_file(tmp_path, capsys):
+    folder = tmp_path / "checkpoints"
+    for step in (2, 4, 6):
+        whole_checkpoint(folder, step)
+    shard = folder / "step_6" / "zero_pp_rank_1_mp_rank_00_optim_states.pt"
+    shard.write_bytes(shard.read_bytes()[:1000])  # cut short: a disk that failed under it
+    flipped = folder / "step_4" / "zero_pp_rank_1_mp_rank_00_optim_states.pt"
+    flipped.write_bytes(b"\xff" + flipped.read_bytes()[1:])  # its size right, one byte wrong
+    (folder / ".step_8.partial").mkdir()  # a save killed before it was published
+    assert checkpoint.choose(folder) == folder / "step_2"
+    note = capsys.readouterr().err
+    assert f"{shard} has 1,000 bytes, files.json lists 10,240" in note
+    assert f"{flipped} does not match its sha256 in files.json" in note
+    assert f"removing {folder / '.step_8.partial'}" in note and not (folder / ".step_8.partial").exists()
+    zero_head = StandInZeroHead(2)
+    assert checkpoint.resume(zero_head, folder, identity(), ignore_mismatch=False) == 2 and zero_head.loaded
+
+
+def test_latest_is_read_first_and_no_checkpoint_is_a_fresh_start(tmp_path):
+    folder = tmp_path / "checkpoints"
+    assert checkpoint.choose(folder) is None and checkpoint.resume(StandInZeroHead(0), folder, identity(), False) == 0
+    whole_checkpoint(folder, 4), whole_checkpoint(folder, 2)  # latest names step_2: a rerun's earlier save
+    assert checkpoint.choose(folder) == folder / "step_2"
+
+
+def test_every_checkpoint_damaged_is_one_error_naming_the_newest_file(tmp_path):
+    folder = tmp_path / "checkpoints"
+    for step in (2, 4):
+        (whole_checkpoint(folder, step) / checkpoint.FILES_FILE).write_text("{")
+    with pytest.raises(checkpoint.ResumeError) as err:
+        checkpoint.resume(StandInZeroHead(4), folder, identity(), ignore_mismatch=False)
+    assert str(err.value) == (f"no checkpoint in {folder} can be resumed from: {folder / 'step_4' / 'files.json'} is "
+                              "not JSON (Expecting property name enclosed in double quotes: line 1 column 2 (char 1)); "
+                              "point trainer.checkpoint_dir elsewhere or set trainer.resume=false")

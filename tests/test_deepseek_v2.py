@@ -142,7 +142,7 @@ def test_packed_prefill_matches_transformers(models):
 @pytest.mark.parametrize("matmul", [False, True], ids=["sdpa", "matmul"])
 def test_decode_matches_transformers(models, monkeypatch, matmul):
     """Prompt prefill, then single-token steps (and one 3-token chunk) across 4-token pages; also through the
-    batched matmuls that many sequences take (`infer.attention.attention`), masked, at this batch of 2."""
+    batched matmuls that many sequences take (`infer.attention.groups.attention`), masked, at this batch of 2."""
     if matmul:
         monkeypatch.setattr(attention, "MATMUL_ATTENTION_MIN_SEQS", 1)
     reference, model = models

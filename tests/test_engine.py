@@ -446,30 +446,3 @@ def test_text_prompt_without_tokenizer_is_refused(stories_model):
         engine.add_request("Once upon a time")
     (request,) = engine.generate([[1]], SamplingParams(max_new_tokens=3))  # token ids still work
     assert len(request.output_ids) == 3 and request.text == ""
-
-
-def test_served_model_drops_module_overhead_but_keeps_hooks_weights_and_assignments(stories_hf_dir,
-                                                                                      stories_tokenizer):
-    """The runner takes nn.Module's call and lookup machinery out of the forward (a sixth of a small decode step):
-    a module that already has a hook keeps it, class identities and checkpoint names stay, and a parameter
-    assigned afterwards is the one the forward uses."""
-    from infer.loader import load_model  # noqa: PLC0415
-    from infer.models.llama import LlamaDecoderLayer  # noqa: PLC0415
-
-    model = load_model(stories_hf_dir)
-    names = list(model.state_dict())
-    outputs = []
-    model.model.layers[2].register_forward_hook(lambda module, args, out: outputs.append(out.shape[0]))
-    engine = Engine(model, None, [], EngineConfig(page_size=4, num_pages=32, backend="torch"))
-    (request,) = engine.generate([[1]], SamplingParams(max_new_tokens=12))
-    assert REFERENCE_STORY.startswith(stories_tokenizer.decode(request.output_ids))
-    assert outputs == [1] * 12  # the hooked layer ran its hook at every step (prefill of BOS, then 11 decodes)
-    hooked, plain = model.model.layers[2], model.model.layers[1]
-    assert type(hooked).__call__ is torch.nn.Module.__call__
-    assert type(plain).__call__ is not torch.nn.Module.__call__ and isinstance(plain, LlamaDecoderLayer)
-    assert list(model.state_dict()) == names
-    mlp = plain.mlp
-    mlp.down_proj.weight = torch.nn.Parameter(torch.zeros_like(mlp.down_proj.weight))
-    mlp.gate_up_proj = torch.nn.Linear(64, 2 * 172, bias=False)
-    assert mlp.down_proj.weight.abs().sum() == 0 and mlp(torch.randn(3, 64)).abs().sum() == 0
-    assert mlp.gate_up_proj is mlp._modules["gate_up_proj"]

@@ -15,7 +15,7 @@ import pytest
 import torch
 from transformers import DeepseekV2ForCausalLM as HFDeepseekV2
 
-import infer.attention
+import infer.attention.flashinfer_backend
 from infer.engine import Engine, EngineConfig
 from infer.kv_cache import DecodeSteps, build_page_metadata
 from infer.loader import load_model
@@ -33,7 +33,7 @@ PROMPTS = [[1, 400, 301, 280], [1, 65, 300, 259, 270, 290, 310, 330, 350, 370, 3
 @pytest.fixture
 def fake(monkeypatch):
     monkeypatch.setitem(sys.modules, "flashinfer", fake_flashinfer)
-    monkeypatch.setattr(infer.attention, "flashinfer_available", lambda: True)
+    monkeypatch.setattr(infer.attention.flashinfer_backend, "flashinfer_available", lambda: True)
     fake_flashinfer.CALLS.clear()
     return fake_flashinfer
 

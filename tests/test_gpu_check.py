@@ -1,4 +1,4 @@
-"""infer.gpu_check off a GPU: it stops at once with a one-line error, and its pieces run on CPU with the torch
+"""infer.bench.gpu_check off a GPU: it stops at once with a one-line error, and its pieces run on CPU with the torch
 backend (the GPU run swaps in FlashInfer and CUDA)."""
 
 from __future__ import annotations
@@ -8,8 +8,8 @@ import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 from transformers import LlamaForCausalLM as HFLlama
 
-from infer import attention, gpu_check
-from infer.attention import TorchAttention
+from infer.attention import TorchAttention, buckets
+from infer.bench import gpu_check
 from infer.cli import run_cli
 from infer.engine import Engine, EngineConfig
 from infer.loader import load_model
@@ -25,7 +25,7 @@ def test_without_cuda_it_stops_with_one_line(stories_hf_dir, monkeypatch, capfd)
     capfd.readouterr()
     assert run_cli(lambda: gpu_check.main(["--stories", str(stories_hf_dir)])) == 2
     err = capfd.readouterr().err
-    assert err.strip() == "error: infer.gpu_check needs a CUDA GPU and torch.cuda.is_available() is False here"
+    assert err.strip() == "error: infer.bench.gpu_check needs a CUDA GPU and torch.cuda.is_available() is False here"
 
 
 def test_its_checks_run_on_cpu(stories_hf_dir, tmp_path):
@@ -86,8 +86,8 @@ def test_sdpa_masks_start_16_byte_aligned(stories_hf_dir, monkeypatch):
     """CUDA's fused SDPA kernels fault ("misaligned address", seen on an H200) on a mask whose start or row stride
     is off 16 bytes, as a decode run's step j > 0 was at odd key counts. Control: rows packed at their width."""
     assert _misaligned_sdpa_masks(stories_hf_dir) == 0
-    monkeypatch.setattr(attention, "MASK_ALIGN", 1)
-    monkeypatch.setattr(attention, "_MASK_TEMPLATES", {})
+    monkeypatch.setattr(buckets, "MASK_ALIGN", 1)
+    monkeypatch.setattr(buckets, "_MASK_TEMPLATES", {})
     assert _misaligned_sdpa_masks(stories_hf_dir) > 0
 
 

@@ -17,6 +17,9 @@ from transformers import LlamaForCausalLM as HFLlama
 
 from infer import attention
 from infer.attention import KV_BUCKET_MIN, MIRROR_BYTES, TorchAttention, kv_buckets
+from infer.attention import groups as attn_groups
+from infer.attention import mirror as attn_mirror
+from infer.attention import torch_backend as attn_torch
 from infer.kv_cache import DecodeSteps, PagePool, PageTable, build_page_metadata
 from infer.loader import ModelLoadError, load_model
 from infer.models.llama import LlamaForCausalLM
@@ -171,7 +174,7 @@ def test_stories_decode_run_planned_once_matches_transformers(stories_model, sto
     mirror, later steps writing theirs into it (or, past MIRROR_BYTES, gathers every step); each step still gives
     transformers' logits, although the cache past every sequence holds garbage. A batch that attends by matmul
     keeps its keys and values transposed in the mirror, and the run's writes land there too."""
-    monkeypatch.setattr(attention, "MIRROR_BYTES", kept_bytes)
+    monkeypatch.setattr(attn_mirror, "MIRROR_BYTES", kept_bytes)
     prompt_lens, num_steps, page_size = [(5, 12, 3)[b % 3] + b // 3 for b in range(num_seqs)], 4, 4
     seqs = random_tokens(512, *(n + num_steps for n in prompt_lens), seed=5)
     pool = PagePool(256, page_size)
@@ -200,21 +203,21 @@ def test_stories_decode_run_planned_once_matches_transformers(stories_model, sto
 def count_mirror_gathers(monkeypatch) -> dict[str, int]:
     """{"n": how many times a layer has gathered its keys from the cache into a mirror}, counted from now on."""
     gathers = {"n": 0}
-    gather = attention._Mirror.gather
+    gather = attention.KVMirror.gather
 
     def counted(mirror, flat, group):
         gathers["n"] += 1
         return gather(mirror, flat, group)
 
-    monkeypatch.setattr(attention._Mirror, "gather", counted)
+    monkeypatch.setattr(attention.KVMirror, "gather", counted)
     return gathers
 
 
 def record_copy_paths(monkeypatch) -> list[str]:
-    """How each new mirror block took its rows from the last mirror's (`_Mirror._copy_rows`), in order."""
+    """How each new mirror block took its rows from the last mirror's (`KVMirror._copy_rows`), in order."""
     paths = []
-    copy_rows = attention._Mirror._copy_rows
-    monkeypatch.setattr(attention._Mirror, "_copy_rows", lambda *args: paths.append(copy_rows(*args)) or paths[-1])
+    copy_rows = attention.KVMirror._copy_rows
+    monkeypatch.setattr(attention.KVMirror, "_copy_rows", lambda *args: paths.append(copy_rows(*args)) or paths[-1])
     return paths
 
 
@@ -222,8 +225,9 @@ def record_page_reads(monkeypatch) -> list[int]:
     """How many slots each read from the pages asked for (`kv_rows`), in order; a test clears it between forwards."""
     read = []
     kv_rows = attention.kv_rows
-    monkeypatch.setattr(attention, "kv_rows", lambda slots, page_size: read.append(slots.numel()) or
-                        kv_rows(slots, page_size))
+    for module in (attn_groups, attn_mirror):  # the group's read plan and a mirror's rows gathered for some sequences
+        monkeypatch.setattr(module, "kv_rows", lambda slots, page_size: read.append(slots.numel()) or
+                            kv_rows(slots, page_size))
     return read
 
 
@@ -242,8 +246,8 @@ def run_speculative_like(model, reference, monkeypatch, write_mirror: bool) -> i
     returns how many times a layer gathered its keys from the cache into a mirror."""
     gathers = count_mirror_gathers(monkeypatch)
     if not write_mirror:
-        rows = attention._Mirror.rows  # every write lands on row 0: the mirror goes stale
-        monkeypatch.setattr(attention._Mirror, "rows", lambda *args: torch.zeros_like(rows(*args)))
+        rows = attention.KVMirror.rows  # every write lands on row 0: the mirror goes stale
+        monkeypatch.setattr(attention.KVMirror, "rows", lambda *args: torch.zeros_like(rows(*args)))
     rng = torch.Generator().manual_seed(7)
     page_size, num_pages = 4, 64
     pool = PagePool(num_pages, page_size)
@@ -300,7 +304,7 @@ def test_stories_forwards_over_one_batch_read_a_mirror_and_match_transformers(st
     if new_memory == "nan":
         new_memory_is_nan(monkeypatch)
     if transposed:  # the batched-matmul path and its mirror layout (transposed), at this batch of 3
-        monkeypatch.setattr(attention, "MATMUL_ATTENTION_MIN_SEQS", 1)
+        monkeypatch.setattr(attn_groups, "MATMUL_ATTENTION_MIN_SEQS", 1)
     gathers = run_speculative_like(stories_model, stories_reference, monkeypatch, write_mirror=True)
     assert gathers == len(stories_model.model.layers)  # one gather per layer, at the first forward over the cache
 
@@ -316,9 +320,9 @@ def test_stories_a_decoding_batch_outgrows_its_mirror_a_logarithmic_number_of_ti
     transformers'. The control grows by the slack alone (the rule before), and the count leaves the bound. A new
     block takes the rows from the last one by slices, reading nothing from the pages, and zeroes what lies past them
     (new memory NaN)."""
-    monkeypatch.setattr(attention, "MIRROR_SLACK", 4)
+    monkeypatch.setattr(attn_torch, "MIRROR_SLACK", 4)
     if transposed:  # the batched-matmul path and its mirror layout, at this batch of 2
-        monkeypatch.setattr(attention, "MATMUL_ATTENTION_MIN_SEQS", 1)
+        monkeypatch.setattr(attn_groups, "MATMUL_ATTENTION_MIN_SEQS", 1)
     new_memory_is_nan(monkeypatch)
     paths = record_copy_paths(monkeypatch)
     read = record_page_reads(monkeypatch)
@@ -355,7 +359,7 @@ def test_stories_requests_that_end_and_begin_take_the_others_rows_from_the_last_
     the old mirror is let go; every logit is transformers', with every new block's memory NaN (what a row holds past
     its sequence must come out zeroed)."""
     if transposed:  # the batched-matmul path and its mirror layout, at these few sequences
-        monkeypatch.setattr(attention, "MATMUL_ATTENTION_MIN_SEQS", 1)
+        monkeypatch.setattr(attn_groups, "MATMUL_ATTENTION_MIN_SEQS", 1)
     new_memory_is_nan(monkeypatch)
     read = record_page_reads(monkeypatch)
     paths = record_copy_paths(monkeypatch)
@@ -413,7 +417,7 @@ def test_stories_many_sequences_attend_by_matmul_over_the_mirror_and_match_trans
     matmul-softmax path (SDPA serves only the prefill) over keys the mirror keeps transposed, and every sequence's
     logits are transformers'."""
     sdpa_calls = {"n": 0}
-    sdpa, attend = attention.F.scaled_dot_product_attention, attention.attention
+    sdpa, attend = torch.nn.functional.scaled_dot_product_attention, attn_groups.attention
     key_strides = []
 
     def counted(*args, **kwargs):
@@ -424,8 +428,8 @@ def test_stories_many_sequences_attend_by_matmul_over_the_mirror_and_match_trans
         key_strides.append(keys.stride(-2))
         return attend(q, keys, *args)
 
-    monkeypatch.setattr(attention.F, "scaled_dot_product_attention", counted)
-    monkeypatch.setattr(attention, "attention", attend_noting_keys)
+    monkeypatch.setattr(torch.nn.functional, "scaled_dot_product_attention", counted)
+    monkeypatch.setattr(attn_groups, "attention", attend_noting_keys)
     prompt_lens = [5 + i % 4 for i in range(attention.MATMUL_ATTENTION_MIN_SEQS)]  # one prefill group
     seqs = random_tokens(512, *(n + 9 for n in prompt_lens), seed=8)
     steps = decode_steps(seqs, prompt_lens)[:4]  # the prefill, then three decode steps

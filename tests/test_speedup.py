@@ -1,4 +1,5 @@
-"""infer.speedup: tau from conditional acceptance, and the recommended K (an exact identity and hand-worked cases)."""
+"""infer.bench.speedup: tau from conditional acceptance, and the recommended K (an exact identity and hand-worked
+cases)."""
 
 from __future__ import annotations
 
@@ -8,16 +9,17 @@ import time
 import pytest
 import torch
 
-from infer.engine import Engine, EngineConfig, ForwardCosts
-from infer.model_runner import ModelRunner
-from infer.models.mtp_head import init_head_from_target, read_head_config
-from infer.sampling_params import SamplingParams
-from infer.speculative import SpecStats
-from infer.speedup import (
+from infer.bench.forward_costs import ForwardCosts, Stopwatch, forward_costs
+from infer.bench.speedup import (
     COST_CONTEXT, Comparison, IdealShare, StepOverhead, Timed, compare, cost_context, ideal_speedup,
     ideal_speedup_with_tail, interleaved_generate, interleaved_stream, live_per_verify_step, predicted_speedup,
     predicted_tau, recommend_k, timed_costs, timed_generate,
 )
+from infer.engine import Engine, EngineConfig
+from infer.model_runner import ModelRunner
+from infer.models.mtp_head import init_head_from_target, read_head_config
+from infer.sampling_params import SamplingParams
+from infer.speculative import SpecStats
 from mtp_train.export import export_head, main
 
 
@@ -140,7 +142,7 @@ def test_a_request_counts_its_own_verify_steps(stories_model, stories_tokenizer)
 def test_bench_refuses_speculation_with_no_token_to_speculate_on(stories_hf_dir, tmp_path, capsys):
     """One new token is the prefill's: there is no verify step to time, so --spec asks for two (one line, exit 2)
     instead of dividing by a zero ideal."""
-    from infer.bench import main as bench_main  # noqa: PLC0415
+    from infer.bench.cli import main as bench_main  # noqa: PLC0415
     from infer.cli import run_cli  # noqa: PLC0415
 
     argv = ["--model", str(stories_hf_dir), "--spec", "mtp", "--draft", str(tmp_path), "--max-new-tokens", "1"]
@@ -224,7 +226,7 @@ def test_bench_recommendation_is_the_sweeps_best_k_on_runs_the_model_describes()
     ms, acceptance 0.9, 0.7, 0.5, 0.3: K=2 is best): it recommends the measured best K and predicts every K's
     tokens/s exactly; a row whose speculative tokens/s is 20% off (K=3, not one of the two fitted) is the worst
     error."""
-    from infer.bench import recommendations  # noqa: PLC0415
+    from infer.bench.cli import recommendations  # noqa: PLC0415
 
     batch, conditional = 8, [0.9, 0.7, 0.5, 0.3]
     rows = []
@@ -333,7 +335,7 @@ def test_the_runtime_steps_alongside_transformers_generate_one_step_each(stories
     tokens come out of both, and the seconds of the engine's steps are not counted as transformers'."""
     from transformers import AutoModelForCausalLM  # noqa: PLC0415 - the baseline only
 
-    from infer.bench import run_alongside_transformers  # noqa: PLC0415
+    from infer.bench.cli import run_alongside_transformers  # noqa: PLC0415
 
     hf = AutoModelForCausalLM.from_pretrained(stories_hf_dir).eval()
     engine = Engine(stories_model, stories_tokenizer, [2], EngineConfig(backend="torch", page_size=8, num_pages=32))
@@ -390,12 +392,12 @@ def test_forward_costs_time_the_models_in_turns_as_a_step_runs_them(stories_mode
         return forward(self, *args, **kwargs)
 
     monkeypatch.setattr(ModelRunner, "forward", forward_in_turns)
-    costs = spec.forward_costs(2, context=16, repeats=3, alone=True)
+    costs = forward_costs(spec, 2, context=16, repeats=3, alone=True)
     assert costs.verify >= costs.verify_alone + 0.8 * turn
     assert costs.draft >= costs.draft_alone + 0.8 * turn / 3
     assert costs.verify_alone < turn and costs.draft_alone < turn / 3  # the control: no turn is ever paid
     assert costs.alone() == ForwardCosts(costs.decode, costs.draft_alone, costs.verify_alone)
-    assert spec.forward_costs(2, context=16, repeats=1).draft_alone is None  # timed in turns only
+    assert forward_costs(spec, 2, context=16, repeats=1).draft_alone is None  # timed in turns only
     with pytest.raises(ValueError, match="in turns only"):
         ForwardCosts(1.0, 1.0, 1.0).alone()
     assert ForwardCosts.fastest([costs, ForwardCosts(1.0, 1.0, 1.0)]).verify_alone is None
@@ -424,7 +426,7 @@ def test_a_heads_forward_costs_open_each_cycle_with_its_catch_up(stories_model, 
         calls.clear()
         draft_steps.clear()
         monkeypatch.setattr(ModelRunner, "forward", logged)
-        return engine.forward_costs(2, context=16, repeats=1)
+        return forward_costs(engine, 2, context=16, repeats=1)
 
     catch_up, draft, verify = ("drafter", 2 * 4, True), ("drafter", 2, False), ("target", 2 * 4, False)
     decode_run = [("target", 2, False)] * 2
@@ -448,8 +450,6 @@ def test_forward_costs_on_a_gpu_time_the_kernels_not_the_launches(monkeypatch):
     has run them (one synchronize a burst, none per forward). Here a fake device queue runs 0.5 s of kernels per
     forward while the launch returns at once; the host clock (the CPU stopwatch, the broken control) sees only the
     launches."""
-    from infer.engine import _Stopwatch  # noqa: PLC0415
-
     device_time, syncs = [0.0], []
 
     class QueuedEvent:  # records where the device queue stands; elapsed_time in ms, as torch.cuda.Event
@@ -469,12 +469,12 @@ def test_forward_costs_on_a_gpu_time_the_kernels_not_the_launches(monkeypatch):
 
     monkeypatch.setattr(torch.cuda, "Event", QueuedEvent)
     monkeypatch.setattr(torch.cuda, "synchronize", lambda *args: syncs.append(args))
-    gpu = _Stopwatch(torch.device("cuda"))
+    gpu = Stopwatch(torch.device("cuda"))
     for _ in range(3):
         gpu.measure(launch)
     assert gpu.total() == pytest.approx(1.5) and len(syncs) == 1
     assert gpu.total() == 0.0  # the watch starts afresh
-    cpu = _Stopwatch(torch.device("cpu"))
+    cpu = Stopwatch(torch.device("cpu"))
     cpu.measure(launch)
     assert cpu.total() < 0.05  # the control: the host clock times the launch alone
 

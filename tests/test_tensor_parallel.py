@@ -24,7 +24,7 @@ from transformers import DeepseekV2ForCausalLM as HFDeepseekV2
 from transformers import LlamaConfig
 from transformers import LlamaForCausalLM as HFLlama
 
-from infer.bench import main as bench_main
+from infer.bench.cli import main as bench_main
 from infer.cli import run_cli
 from infer.engine import Engine, EngineConfig
 from infer.generate import main as generate_main

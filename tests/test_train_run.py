@@ -128,10 +128,13 @@ def test_kill_and_resume_continue_the_same_steps_and_data(tmp_path, one_process,
     resumed, reference = _train_steps(tmp_path), _train_steps(one_process)
     assert sorted(resumed) == list(range(1, STEPS + 1))
     assert [r["step"] for r in _records(tmp_path) if r["split"] == "train"] == [1, 2, 3, 3, 4, 5, 6]
-    for step in range(1, STEPS + 1):
+    for step in range(1, STEPS + 1):  # bitwise: the same records, losses and gradient norms
         assert resumed[step]["records"] == reference[step]["records"]
-        assert resumed[step]["loss"] == pytest.approx(reference[step]["loss"], rel=1e-5)
+        assert (resumed[step]["loss"], resumed[step]["grad_norm"]) == (reference[step]["loss"],
+                                                                      reference[step]["grad_norm"])
     assert json.loads((tmp_path / "summary.json").read_text())["steps"] == STEPS
+    assert (tmp_path / "head" / "model.safetensors").read_bytes() == (one_process / "head" /
+                                                                      "model.safetensors").read_bytes()
 
 
 def test_chain_share_unrolls_about_that_share_of_the_positions(tmp_path, one_process, features, stories_hf_dir):
@@ -182,8 +185,7 @@ def test_each_evaluation_validates_the_head_in_the_runtime(one_process):
     assert [r["step"] for r in validations] == [3, STEPS]
     for v in validations:
         assert 1.0 <= v["tau_T0"] <= 1.0 + 4 and 0.0 <= v["acceptance_T0_0"] <= 1.0
-        gaps = [abs(v[f"replay_cond_top1_{j}"] - v[f"acceptance_T0_{j}"]) for j in range(4)]
-        assert v["gap_flag"] == any(round(g, 9) > 0.02 for g in gaps)
+        assert v["gap_flag"] is False  # the trainer computes what is served (tests/test_replay.py: with power)
 
 
 def test_frozen_tensors_untouched_and_absent_from_optimizer_and_checkpoints(one_process):

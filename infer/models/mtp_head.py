@@ -40,6 +40,7 @@ from transformers import PretrainedConfig
 
 from infer.atomic_io import atomic_folder
 from infer.attention import AttentionBackend, cast
+from infer.loader import serve_lean
 from infer.models.common import ModelOutput, RMSNorm, RotaryEmbedding
 from infer.models.deepseek_v2 import DeepseekV2DecoderLayer
 from infer.models.eagle3_head import Eagle3Head, eagle3_config_fields, init_eagle3_from_target
@@ -340,6 +341,8 @@ def shared_weights(target: nn.Module) -> SharedTargetWeights:
     return SharedTargetWeights(target.model.embed_tokens, target.lm_head, target.model.norm)
 
 
-def load_head(path: str | Path, target: nn.Module, dtype: torch.dtype | None = None) -> DraftHead:
-    """Load a head folder against `target`, refusing a head trained for a different target."""
-    return attach_to_target(read_head(path), target, dtype, where=str(Path(path) / "config.json"))
+def load_head(path: str | Path, target: nn.Module, dtype: torch.dtype | None = None, lean: bool = True) -> DraftHead:
+    """Load a head folder against `target`, refusing a head trained for a different target; lean: served without
+    nn.Module's per-call machinery (`infer.loader.serve_lean`)."""
+    head = attach_to_target(read_head(path), target, dtype, where=str(Path(path) / "config.json"))
+    return serve_lean(head) if lean else head

@@ -1,6 +1,6 @@
 """What tensor parallelism costs and saves on CPU: parameter bytes per rank, and decode speed, at 1 and TP ranks.
 
-    python -m infer.tp_report --stories ../shared/assets/stories260K/hf-reference --tp 2
+    python -m infer.bench.tp_report --stories ../shared/assets/stories260K/hf-reference --tp 2
 
 Parameter bytes: a Llama-3.2-1B-shaped model (hidden 2048, 16 layers, 32 heads, 8 KV heads, intermediate 8192,
 vocabulary 128256, tied embeddings) with random bf16 weights, written to a temporary folder and loaded once
@@ -110,7 +110,7 @@ def rank_decode(tp: int, stories: str, batch_sizes: list[int], new_tokens: int, 
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(prog="python -m infer.tp_report", description=__doc__,
+    parser = argparse.ArgumentParser(prog="python -m infer.bench.tp_report", description=__doc__,
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--stories", required=True, type=Path, help="stories260K Hugging Face folder")
     parser.add_argument("--tp", type=int, default=2, help="ranks to compare with one (default 2)")

@@ -10,7 +10,7 @@ reported as a ratio, the runs compared interleaved step by step so that a spell 
 the runtime's steps taken between generate's (`run_alongside_transformers`); the ratio is the median over the
 repeats and ratio_range its spread. With --spec: tokens/s with and without speculation, the speedup,
 tau (tokens per target step), and the ideal speedup predicted from the measured acceptance and the
-measured cost of a draft forward and a verify forward, timed in turns as a step runs them (`infer.speedup`), so
+measured cost of a draft forward and a verify forward, timed in turns as a step runs them (`infer.bench.speedup`), so
 that achieved / ideal is the share of the ideal the runtime's machinery keeps; *_alone prices each model's
 forwards timed back to back instead (each model alone in the caches: a bound no speculative step meets). The
 forwards are timed after each repeat's pair of runs; speedup, ideal and their ratio are medians over the repeats
@@ -36,22 +36,22 @@ import functools
 import json
 import math
 import statistics
-import sys
 import time
 from dataclasses import fields
 from pathlib import Path
 
 import torch
 
-from infer.cli import CliError, add_engine_args, engine_kwargs, parse_floats, parse_ints, run_cli
-from infer.engine import Engine, ForwardCosts
+from infer.bench.forward_costs import ForwardCosts
+from infer.bench.speedup import (SPEC_MIN_NEW_TOKENS, IdealShare, StepOverhead, compare, cost_context,
+                                 ideal_speedup_with_tail, interleaved_stream, live_per_verify_step, recommend_k,
+                                 timed_costs, timed_generate)
+from infer.cli import CliError, add_engine_args, engine_kwargs, parse_floats, parse_ints
+from infer.engine import Engine
 from infer.loader import DTYPES
-from infer.parallel import attach_where_it_lives, current, init_tp, on_rank0, serve_forever, tp_main
+from infer.parallel import attach_where_it_lives, current, init_tp, on_rank0, serve_forever
 from infer.prompts import DEFAULT_PROMPTS, read_prompt_file
 from infer.sampling_params import SamplingParams
-from infer.speedup import (SPEC_MIN_NEW_TOKENS, IdealShare, StepOverhead, compare, cost_context,
-                           ideal_speedup_with_tail, interleaved_stream, live_per_verify_step, recommend_k, timed_costs,
-                           timed_generate)
 
 
 def best_of(repeats: int, run) -> tuple[float, int]:
@@ -83,7 +83,7 @@ def run_alongside_transformers(engine: Engine, model, tokenizer, prompts: list[s
     """(seconds, tokens) of the engine and of transformers' generate on the same batch, their steps interleaved: a
     stopping criterion, which generate calls after each of its steps, steps the engine until its requests hold as
     many new tokens; the seconds spent there are the engine's, generate's others transformers'. Run after run, the
-    two met different spells of this shared machine (`infer.speedup.interleaved_generate`)."""
+    two met different spells of this shared machine (`infer.bench.speedup.interleaved_generate`)."""
     from transformers import StoppingCriteria  # noqa: PLC0415 - the baseline only
 
     params = SamplingParams(max_new_tokens=new_tokens, ignore_eos=True)
@@ -213,7 +213,7 @@ def bench_spec(args, prompts: list[str]) -> list[dict | None]:
 
 
 def recommendations(rows: list[dict]) -> list[dict]:
-    """Per temperature and batch size: the K that infer.speedup recommends from the largest K's conditional
+    """Per temperature and batch size: the K that infer.bench.speedup recommends from the largest K's conditional
     acceptance and each K's measured forward costs, against the best K of the measured sweep (0 for both where
     plain decoding beats every K); the prediction checked at the K it ranks first."""
     out = []
@@ -245,8 +245,8 @@ def bench_arrivals(args, prompts: list[str]) -> dict | None:
     lagged or there was no room), and the mean time from a request's arrival to its last token against plain
     decoding. Requests arrive one every `--arrivals` steps of the plain engine; the speculative engine gets them at
     the same times on its own clock (arrivals counted in its own, longer and fewer steps would compare arrival
-    schedules, not engines), the two engines' steps interleaved (`infer.speedup.interleaved_stream`). The result on
-    rank 0, None on the other ranks."""
+    schedules, not engines), the two engines' steps interleaved (`infer.bench.speedup.interleaved_stream`). The
+    result on rank 0, None on the other ranks."""
     k, count = args.num_draft_tokens[-1], max(args.batch_sizes)
     plain = make_engine(args, count)
     spec = with_drafter(args, plain, k)
@@ -331,6 +331,3 @@ def main(argv: list[str] | None = None) -> int:
     print(json.dumps(result))
     return 0
 
-
-if __name__ == "__main__":
-    sys.exit(run_cli(tp_main(main)))

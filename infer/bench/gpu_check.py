@@ -1,6 +1,6 @@
 """One check of the runtime on a CUDA GPU with FlashInfer, printed as one table (launch/gpu_check.sh; < 10 min).
 
-    python -m infer.gpu_check --stories ../shared/assets/stories260K/hf-reference [--checks attention,spec]
+    python -m infer.bench.gpu_check --stories ../shared/assets/stories260K/hf-reference [--checks attention,spec]
 
   attention  one layer's attention alone through FlashInfer in bf16 against the torch backend in fp32, on random
              inputs over the paged steps below, at real head layouts (GQA 32/8 with head_dim 64 and 128; MLA 16
@@ -38,16 +38,16 @@ import torch
 from transformers import DeepseekV2Config, DeepseekV2ForCausalLM, LlamaConfig, LlamaForCausalLM
 
 from infer.attention import AttentionBackend, FlashInferAttention, TorchAttention, flashinfer_available
-from infer.bench import best_of, print_table, run_engine
+from infer.bench.cli import best_of, print_table, run_engine
+from infer.bench.tp_report import LLAMA_3_2_1B, write_random_llama
 from infer.cli import CliError, run_cli
 from infer.engine import Engine, EngineConfig
 from infer.kv_cache import PagePool, PageTable, build_page_metadata
-from infer.loader import load_model
+from infer.loader import load_model, serve_lean
 from infer.model_runner import ModelRunner
 from infer.models.mtp_head import init_head_from_target
 from infer.parallel import one_line
 from infer.sampling_params import SamplingParams
-from infer.tp_report import LLAMA_3_2_1B, write_random_llama
 
 TINY_LLAMA = dict(vocab_size=1024, hidden_size=256, intermediate_size=512, num_hidden_layers=2, num_attention_heads=4,
                   num_key_value_heads=2, head_dim=64, max_position_embeddings=512, tie_word_embeddings=False,
@@ -167,10 +167,10 @@ def attention_parity(label: str, device: str,
 def compile_kernels(labels: list[str]) -> float:
     """FlashInfer compiles a head layout's kernels on first use (about 2 minutes each on 16 cores, one ninja build
     at a time per process): build every layout side by side first, one process each (`--warm LABEL`), so the checks
-    then run on cached kernels (3 layouts: 132 s against about 260 s one after another on an H200 machine). A layout
+    then run on cached kernels (about half the time of one after another; see docs/benchmark_history.md). A layout
     that fails to build is left to its check, which reports the error in its row. Returns the seconds spent."""
     start = time.perf_counter()
-    procs = [subprocess.Popen([sys.executable, "-m", "infer.gpu_check", "--stories", ".", "--warm", label],
+    procs = [subprocess.Popen([sys.executable, "-m", "infer.bench.gpu_check", "--stories", ".", "--warm", label],
                               stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL) for label in labels]
     for proc in procs:
         proc.wait()
@@ -221,7 +221,7 @@ def spec_row(folder: Path, name: str, device: str, backend: str, new_tokens: int
     for kind in ("plain", "mtp"):
         engine = Engine(model, None, [], EngineConfig(max_num_seqs=1, num_pages=64, backend=backend, num_draft_tokens=k))
         if kind == "mtp":
-            engine.attach_drafter("mtp", init_head_from_target(model, name))
+            engine.attach_drafter("mtp", serve_lean(init_head_from_target(model, name)))
         run_engine(engine, prompt, SamplingParams(max_new_tokens=4, ignore_eos=True))  # warm-up
         seconds, tokens = best_of(repeats, lambda: run_engine(engine, prompt, params))
         speeds[kind] = tokens / seconds
@@ -243,7 +243,7 @@ def guarded(check: str, model: str, run: Callable[[], dict | list[dict]]) -> lis
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(prog="python -m infer.gpu_check", description=__doc__,
+    parser = argparse.ArgumentParser(prog="python -m infer.bench.gpu_check", description=__doc__,
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--stories", required=True, type=Path, help="stories260K Hugging Face folder")
     parser.add_argument("--max-new-tokens", type=int, default=128, help="tokens per request (default 128)")
@@ -256,9 +256,9 @@ def main(argv: list[str] | None = None) -> int:
     if unknown := sorted(set(checks) - set(CHECKS)):
         raise CliError(f"--checks {args.checks}: unknown {', '.join(unknown)} (choose from {', '.join(CHECKS)})")
     if not torch.cuda.is_available():
-        raise CliError("infer.gpu_check needs a CUDA GPU and torch.cuda.is_available() is False here")
+        raise CliError("infer.bench.gpu_check needs a CUDA GPU and torch.cuda.is_available() is False here")
     if not flashinfer_available():
-        raise CliError("infer.gpu_check needs FlashInfer: pip install .[gpu] (flashinfer-python)")
+        raise CliError("infer.bench.gpu_check needs FlashInfer: pip install .[gpu] (flashinfer-python)")
     if args.warm:
         attention_parity(args.warm, "cuda")
         return 0

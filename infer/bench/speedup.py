@@ -36,7 +36,8 @@ import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
-from infer.engine import Engine, ForwardCosts, Request, per_prompt
+from infer.bench.forward_costs import ForwardCosts, forward_costs
+from infer.engine import Engine, Request, per_prompt
 from infer.kv_cache import pages_needed
 from infer.sampling_params import SamplingParams
 
@@ -47,15 +48,14 @@ COST_CONTEXT = 32  # the fewest cached tokens behind the timed single forwards (
 def timing_context(tokens: int, k: int, decode_run_steps: int) -> int:
     """The positions per sequence an engine that times forwards must hold: the longest context it runs (`tokens`,
     at least COST_CONTEXT), then a verify forward's K+1 (and a draft LM's one more) or the steps of a timed decode
-    run (`Engine.forward_costs`)."""
+    run (`forward_costs`)."""
     return max(tokens, COST_CONTEXT) + max(k + 2, decode_run_steps)
 
 
 def cost_context(prompt_lens: Sequence[int], max_new_tokens: int) -> int:
     """The cached tokens behind the timed single forwards: the mean context of the timed runs (a prompt and half the
     tokens generated after it), so the ideal prices each forward where the runs met it: a verify forward's attention
-    grows with the context faster than a decode's (stories260K, batch 8: verify 1.28x its cost at 32 tokens by 128,
-    decode 1.15x)."""
+    grows with the context faster than a decode's (see docs/benchmark_history.md)."""
     prompt_lens = list(prompt_lens)
     return max(COST_CONTEXT, round(sum(prompt_lens) / len(prompt_lens) + max_new_tokens / 2))
 
@@ -98,9 +98,8 @@ def interleaved_generate(engines: Sequence[Engine], prompts: Sequence,
     on a shared machine falls on each in proportion to its time. Each run is timed step by step (requests are added
     before the clock starts).
 
-    Runs of whole batches one after the other meet different spells: on stories260K at batch 1 and 8 the ratio of
-    a plain to a speculative run varied with an interquartile range of 0.10-0.19 over 12 pairs, interleaved by step
-    0.017-0.025, at the same median."""
+    Runs of whole batches one after the other meet different spells, which spreads the ratio of a plain to a
+    speculative run several times wider than interleaving by step does (see docs/benchmark_history.md)."""
     params = per_prompt(params, len(prompts))
     runs = [[engine.add_request(p, sp) for p, sp in zip(prompts, params)] for engine in engines]
     steps = [engine.num_steps for engine in engines]
@@ -193,7 +192,7 @@ class Comparison:
 class IdealShare:
     """Medians over a comparison's repeats, each repeat priced by the forward costs timed right after it: a
     repeat's runs and its costs meet the machine at the same speed, where the fastest run and the fastest cost
-    may come from different spells (this machine drifts by a third over minutes)."""
+    may come from different spells (a shared machine's speed drifts over minutes)."""
 
     speedup: float  # speculative over plain tokens/s
     ideal: float | None  # ideal_speedup at the repeat's forward costs; None: no costs were timed
@@ -222,8 +221,8 @@ class IdealShare:
 def compare(plain: Engine, spec: Engine, prompts: Sequence, params: SamplingParams | Sequence[SamplingParams],
             repeats: int, between: Callable[[Timed], None] | None = None) -> Comparison:
     """Timed runs of both engines, their steps interleaved (`interleaved_generate`); `between(plain run)` after
-    each pair (the forward costs, timed within the same seconds as the runs: this machine's speed drifts by a third
-    over minutes). Speculation statistics are one timed run's: the repeats replay the same seeded requests, so
+    each pair (the forward costs, timed within the same seconds as the runs: a shared machine's speed drifts over
+    minutes). Speculation statistics are one timed run's: the repeats replay the same seeded requests, so
     counting them all would shrink the standard errors without new evidence."""
     plain_runs, spec_runs = [], []
     for _ in range(repeats):
@@ -247,7 +246,7 @@ def timed_costs(spec: Engine, batch_size: int, max_new_tokens: int, repeats: int
 
     def between(run: Timed) -> None:
         context = cost_context([len(r.prompt_ids) for r in run.requests], max_new_tokens)
-        measured.append(spec.forward_costs(batch_size, context, repeats, alone=alone))
+        measured.append(forward_costs(spec, batch_size, context, repeats, alone=alone))
 
     return measured, between
 
@@ -409,7 +408,7 @@ def recommend_k_by_batch(engines: TimingEngines, conditional: list[float], batch
     out = {}
     for batch_size in batch_sizes:
         context = cost_context([len(prompts[i % len(prompts)]) for i in range(batch_size)], TIMING_TOKENS)
-        costs = {k: engines.spec.forward_costs(batch_size, context, repeats, num_draft_tokens=k)
+        costs = {k: forward_costs(engines.spec, batch_size, context, repeats, num_draft_tokens=k)
                  for k in range(1, len(conditional) + 1)}
         overhead = step_overhead_at(engines, prompts, batch_size, costs, temperature)
         out[str(batch_size)] = recommend_k(conditional, costs, overhead).to_dict()
