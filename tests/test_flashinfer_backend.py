@@ -1,7 +1,7 @@
 """The FlashInfer backend's side of the contract, on a CPU: `tests/fake_flashinfer.py` stands in for the package and
 attends from nothing but what `plan()` was given, in FlashInfer's documented page layout. Through it the engine gives
 the torch backend's tokens (greedy: plain with chunked prefill and mixed lengths, speculative with an MTP head and a draft LM,
-and an MLA model; sampled speculation with an MTP head: the same drafts at every step, under both catch-up schedules);
+and an MLA model; sampled speculation with an MTP head: the same drafts at every step);
 every forward is planned once, with its indptrs and lengths on the host, before its layers run; a page
 length one short (the newest key dropped) changes the tokens, so the comparison has power. Metadata built for
 another device keeps its host copies. The kernels themselves run only on a GPU (`launch/gpu_check.sh`).

@@ -642,14 +642,14 @@ def test_the_drafter_gets_each_forwards_rows_once_before_the_host_reads_the_outc
         stories_model, stories_tokenizer, untrained_head, workloads, monkeypatch, drafter):
     """Every step makes one target forward and one `propose` with all of its rows, every request's carry row
     among them; in speculative steps `propose` comes before the host reads the emitted tokens."""
-    import infer.engine as engine_module
+    import infer.engine.loop as loop_module
 
     prompts, params = workloads["mixed"]
     engine = Engine(stories_model, stories_tokenizer, [2], EngineConfig(
         num_draft_tokens=3, backend="torch", page_size=8, num_pages=128, max_num_batched_tokens=24))
     engine.attach_drafter(drafter, stories_model if drafter == "draft" else untrained_head)
     events = []
-    run_target, propose, read = engine.runner.run, engine.drafter.propose, engine_module.emitted_lists
+    run_target, propose, read = engine.runner.run, engine.drafter.propose, loop_module.emitted_lists
 
     def recording_run(input_ids, *args, **kwargs):
         events.append(("forward", input_ids.numel()))
@@ -664,7 +664,7 @@ def test_the_drafter_gets_each_forwards_rows_once_before_the_host_reads_the_outc
 
     engine.runner.run = recording_run
     engine.drafter.propose = recording_propose
-    monkeypatch.setattr(engine_module, "emitted_lists", lambda emitted: events.append(("read",)) or read(emitted))
+    monkeypatch.setattr(loop_module, "emitted_lists", lambda emitted: events.append(("read",)) or read(emitted))
     run = drive(engine, prompts, params)
 
     assert engine.spec_stats.verify_steps > 10 and not run.violations
@@ -681,15 +681,15 @@ def test_the_heads_carry_is_its_last_emitted_row_and_a_broken_choice_drafts_othe
     """Seeded T=1 requests: a head whose carry is read at each verify's last emitted row drafts what a head
     caught up over the settled positions alone (a reference run with the drafter given only those: the same
     outputs and accepted-length histogram); a broken control reading every verify's last row drafts otherwise."""
-    import infer.engine as engine_module
+    from infer.engine.forward import TargetForward
 
     prompts, greedy = workloads["mixed"]
     params = [dataclasses.replace(p, temperature=1.0, seed=i) for i, p in enumerate(greedy)]
-    real_rows = engine_module._TargetForward.target_rows
+    real_rows = TargetForward.target_rows
 
     def run(target_rows) -> Run:
         with monkeypatch.context() as patch:
-            patch.setattr(engine_module._TargetForward, "target_rows", target_rows)
+            patch.setattr(TargetForward, "target_rows", target_rows)
             engine = Engine(stories_model, stories_tokenizer, [2], EngineConfig(
                 num_draft_tokens=k, backend="torch", page_size=8, num_pages=128))
             engine.attach_drafter("mtp", token_reading_head)
@@ -711,7 +711,7 @@ def test_the_heads_carry_is_its_last_emitted_row_and_a_broken_choice_drafts_othe
 
 
 def settled_rows_only(real_rows):
-    """`_TargetForward.target_rows` cut to the settled rows on the host: each verify's emitted rows alone, packed
+    """`TargetForward.target_rows` cut to the settled rows on the host: each verify's emitted rows alone, packed
     with their own metadata (the reference the device-side choice must equal)."""
 
     def target_rows(self, sampled, emitted, num_emitted):
