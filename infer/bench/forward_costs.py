@@ -219,7 +219,7 @@ class _TimedForwards:
         """The costs of `cycles` speculative cycles as a step runs them, each forward timed on its own (the mean of
         each kind), beside `decode`: a head's catch-up, K-1 drafts (one at K=1, for its price) and the verify; a
         draft LM's K drafts and the verify. Each cycle's drafts are the steps of a fresh `DecodeSteps` run, built
-        outside the timing as `Drafter.propose` builds them, so the drafts pay the run's plan and masks as a step's
+        outside the timing as `Drafter.draft` builds them, so the drafts pay the run's plan and masks as a step's
         do (one step's metadata, which no draft reads, would price them low)."""
         catch_ups, drafts, verifies = (Stopwatch(self.engine.device) for _ in range(3))
         with_catch_up = self.catch_up_rows is not None
