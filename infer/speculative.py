@@ -17,8 +17,9 @@ waits for the host to read the outcome before the drafter is launched.
 
 A drafter holds its own KV tensors, indexed by the *same* page tables as the target's (one allocator, one
 scheduler), at the same positions as the target's rows:
-  - `DraftModel` (a small LM): position i reads token t_i, as the target's row there: it catches up over the
-    target's own tokens on the target's page metadata; its first draft forward reads the pending token;
+  - `DraftModel` (a small LM): position i reads token t_i, as the target's row there: it runs the target's own
+    tokens on the target's page metadata, except after a forward of verify rows alone, whose tokens its drafts
+    wrote already; its first draft forward reads the pending token (and the last draft, when all were accepted);
   - `MTPDrafter` (an MTP head): position i reads (t_{i+1}, h_i), h_i the target's hidden state there: the row's
     next token (`TargetRows.next_token_ids`); its output at the carry's row alone (`PageMetadata.output_rows`);
     its own h' feeds its later drafts;
@@ -46,7 +47,7 @@ from typing import Protocol
 import torch
 from torch import Tensor
 
-from infer.kv_cache import DecodeSteps, PageMetadata, PageTable
+from infer.kv_cache import DecodeSteps, PageMetadata, PageTable, build_page_metadata
 from infer.model_runner import ModelRunner
 from infer.models.common import ModelOutput
 from infer.rejection_sampler import greedy_verify, rejection_sample
@@ -136,6 +137,7 @@ class TargetRows:
     last_rows: Tensor  # [B] each request's row of its last settled position (a verify's: from its accepted length)
     meta: PageMetadata  # the forward's
     output: ModelOutput  # the target's hidden states at every row (and aux layers)
+    num_verifying: int = 0  # the last this many requests verified drafts (K+1 rows each)
 
 
 @dataclass
@@ -201,22 +203,55 @@ class Drafter:
 
 
 class DraftModel(Drafter):
-    """A smaller causal LM sharing the target's tokenizer: it holds no state of its own but its cache."""
+    """A smaller causal LM sharing the target's tokenizer. Its cache holds what it last wrote of each request; the
+    positions before the target's settled prefix ends are valid (past it, rejected drafts)."""
 
     kind = "draft"
 
+    def __init__(self, model: torch.nn.Module, num_pages: int, page_size: int, backend: str) -> None:
+        super().__init__(model, num_pages, page_size, backend)
+        self._written: dict[int, int] = {}  # request_id -> the end of the positions its cache was written up to
+
     def propose(self, rows: TargetRows) -> None:
-        """The target's own tokens at the target's positions, on its metadata (no logits wanted: one row's)."""
+        """The target's own tokens at the target's positions, on its metadata (no logits wanted: one row's). A
+        forward of verify rows alone holds nothing new to it but the last draft, which its next first draft forward
+        reads when all were accepted (`_first_logits`)."""
+        if rows.num_verifying == len(rows.requests):
+            return
         start = time.perf_counter()
         self._run(rows.input_ids, rows.meta, rows.last_rows[:1], None)
+        host = rows.meta.on_host()
+        q_lens = (host.qo_indptr[1:] - host.qo_indptr[:-1]).tolist()
+        for request, q_len, kv_len in zip(rows.requests, q_lens, host.kv_lens.tolist()):
+            first = kv_len - q_len  # the target's settled prefix before this forward
+            valid = min(self._written.get(request.request_id, 0), first)
+            # rows after a gap (the last draft of a verify that accepted all, never run) wait for the next draft
+            self._written[request.request_id] = kv_len if valid == first else valid
         self.seconds += time.perf_counter() - start
 
-    def _first_logits(self, requests: Sequence[SpeculatingRequest], k: int) -> tuple[Tensor, None, DecodeSteps]:
-        """Its first draft forward reads the pending token; forward j writes position num_computed + j."""
-        steps = DecodeSteps([r.page_table.pages for r in requests], [r.num_computed for r in requests], k,
-                            self.page_size, self.device)
-        pending = torch.tensor([r.token_ids[-1] for r in requests], device=self.device)
-        return self._run(pending, steps.step(0), None, None).logits, None, steps
+    def forget(self, request_id: int) -> None:
+        self._written.pop(request_id, None)
+
+    def _first_logits(self, requests: Sequence[SpeculatingRequest], k: int) -> tuple[Tensor, None, DecodeSteps | None]:
+        """Its first draft forward reads the positions from its cache's valid end through the pending token: the
+        pending token alone, or after a verify that accepted every draft the last draft too. Draft forward j then
+        writes position num_computed + j."""
+        pages = [r.page_table.pages for r in requests]
+        pending_at = [r.num_computed for r in requests]
+        starts = [min(self._written.get(r.request_id, 0), r.num_computed) for r in requests]
+        for request in requests:
+            self._written[request.request_id] = request.num_computed + k
+        if starts == pending_at:  # one run of k forwards, the first over the pending tokens
+            steps = DecodeSteps(pages, pending_at, k, self.page_size, self.device)
+            pending = torch.tensor([r.token_ids[-1] for r in requests], device=self.device)
+            return self._run(pending, steps.step(0), None, None).logits, None, steps
+        q_lens = [end + 1 - start for start, end in zip(starts, pending_at)]
+        meta = build_page_metadata(pages, q_lens, [end + 1 for end in pending_at], self.page_size, self.device)
+        ids = torch.tensor([t for r, start in zip(requests, starts) for t in r.token_ids[start:]], device=self.device)
+        last_rows = torch.tensor(list(itertools.accumulate(q_lens)), device=self.device) - 1
+        steps = None if k == 1 else DecodeSteps(pages, [end + 1 for end in pending_at], k - 1, self.page_size,
+                                                self.device)
+        return self._run(ids, meta, last_rows, None).logits, None, steps
 
 
 class MTPDrafter(Drafter):

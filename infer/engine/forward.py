@@ -125,7 +125,7 @@ class TargetForward:
                                           device=device) + num_emitted)
             next_ids.append(emitted.clamp_min(0).flatten())  # row j reads emitted token j; past them, any
         return TargetRows([r for r, _ in rows.scheduled] + self.speculating, self.input_ids, _cat(next_ids),
-                          _cat(last_rows), self.meta, self.output)
+                          _cat(last_rows), self.meta, self.output, len(self.speculating))
 
     def _plain_next_ids(self, sampled: torch.Tensor | None) -> torch.Tensor:
         """[T_plain] the token after each plain row: the next row's, the next prompt token after a chunk, or the
