@@ -10,10 +10,10 @@ Terms (per request):
 
 The drafter seam (vLLM's `propose`): after every target forward the engine calls `Drafter.propose(TargetRows)`
 once, with every row the forward computed; a drafter catches up there, and drafts when `speculative_decode` asks
-(`Drafter.draft`). One schedule, whatever the batch holds: the catch-up covers every row the target computed, all
-K+1 verify rows included (rows past the accepted prefix are redundant work, rewritten before any query reads them),
-and the row carried forward (`TargetRows.last_rows`) is picked on the device from the accepted length, so nothing
-waits for the host to read the outcome before the drafter is launched.
+(`Drafter.draft`). A head has one schedule, whatever the batch holds: its catch-up covers every row the target
+computed, all K+1 verify rows included (rows past the accepted prefix are redundant work, rewritten before any query
+reads them), and the row carried forward (`TargetRows.last_rows`) is picked on the device from the accepted length,
+so nothing waits for the host to read the outcome before the drafter is launched.
 
 A drafter holds its own KV tensors, indexed by the *same* page tables as the target's (one allocator, one
 scheduler), at the same positions as the target's rows:
