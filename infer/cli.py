@@ -15,7 +15,6 @@ from infer.atomic_io import OutputExistsError
 from infer.engine import EngineConfig
 from infer.loader import DTYPES, ModelLoadError
 from infer.models.mtp_head import HeadLoadError, read_head_config
-from infer.speculative import CATCH_UP_SCHEDULES
 
 
 class CliError(ValueError):
@@ -65,15 +64,6 @@ def add_spec_args(parser: argparse.ArgumentParser) -> None:
     group.add_argument("--num-draft-tokens", type=int, default=None,
                        help="K, tokens proposed per step (default: the head's recommended K for the batch, else 4; "
                             "a recommended 0, plain decoding predicted faster, does not speculate)")
-    add_catch_up_arg(group)
-
-
-def add_catch_up_arg(group: argparse._ActionsContainer) -> None:
-    group.add_argument("--draft-catch-up", choices=CATCH_UP_SCHEDULES, default=EngineConfig.draft_catch_up,
-                       help="when the drafter catches up after a verify: accepted (once the host has read the accepted "
-                            "tokens; default) or verified (an MTP or EAGLE-3 head, before the host reads the "
-                            "outcome); a head whose verify rows had the forward alone runs over all K+1 verified "
-                            "positions on the verify forward's own metadata in both")
 
 
 DEFAULT_NUM_DRAFT_TOKENS = 4
@@ -112,8 +102,7 @@ def engine_kwargs(args: argparse.Namespace, max_num_seqs: int) -> dict:
         raise CliError(f"--batch-size must be >= 1, got {max_num_seqs}")
     return dict(page_size=args.page_size, num_pages=args.num_pages, max_num_seqs=max_num_seqs,
                 max_num_batched_tokens=args.max_num_batched_tokens, backend=args.attention_backend,
-                decode_run_steps=args.decode_run_steps,
-                draft_catch_up=getattr(args, "draft_catch_up", EngineConfig.draft_catch_up))
+                decode_run_steps=args.decode_run_steps)
 
 
 def run_cli(main: Callable[[], int]) -> int:

@@ -2,8 +2,7 @@
 
 Both verifiers return (output_token_ids [B, K+1] long, num_emitted [B] long): row b emits the accepted prefix of its
 drafts, then one token from the target (a correction at the first rejection, or a bonus after K acceptances), so
-1 <= num_emitted <= K+1 and output_token_ids[b, num_emitted[b]:] == -1. `greedy_accept` is greedy_verify for a host
-that only needs the emitted tokens as lists.
+1 <= num_emitted <= K+1 and output_token_ids[b, num_emitted[b]:] == -1.
 
 `rejection_sample` is lossless: every emitted token is distributed as the target's p, whatever the draft's q.
 Row b consumes generators[b] in a fixed order on every call, whatever it accepts: `torch.rand(K, generator=g)` (the
@@ -43,23 +42,6 @@ def greedy_verify(draft_token_ids: Tensor, target_argmax: Tensor) -> tuple[Tenso
     # Each accepted draft equals the argmax at its position: the emitted row is the argmax up to the first mismatch.
     position = torch.arange(k + 1, device=target_argmax.device)
     return target_argmax.masked_fill(position > num_accepted[:, None], -1), num_accepted + 1
-
-
-def greedy_accept(draft_token_ids: Tensor, target_argmax: Tensor) -> list[list[int]]:
-    """greedy_verify's emitted tokens, cut on the host: one read of the [B, 2K+1] ids, then a scan of each row.
-
-    For a caller that needs only the host's lists (nothing on the device waits for the outcome): at decode batch sizes
-    the read and the scan cost less than greedy_verify's nine small device ops and its two reads (stories260K, one
-    thread, batch 1: 6 against 26 us; batch 32 at K=4: 147 against 175 us). draft_token_ids [B, K], target_argmax
-    [B, K+1]."""
-    k = draft_token_ids.shape[1]
-    emitted = []
-    for row in torch.cat((target_argmax, draft_token_ids), dim=1).tolist():  # argmax [0, K], then drafts [K+1, 2K]
-        n = 0
-        while n < k and row[n] == row[k + 1 + n]:
-            n += 1
-        emitted.append(row[: n + 1])
-    return emitted
 
 
 def rejection_sample(

@@ -267,8 +267,8 @@ def test_sampled_tokens_follow_the_target_with_a_draft_vocabulary(stories_model,
     ))
     engine.attach_drafter("eagle3", head)
     proposed = []
-    propose = engine.drafter.propose
-    engine.drafter.propose = lambda *args: proposed.append(propose(*args)) or proposed[-1]
+    draft = engine.drafter.draft
+    engine.drafter.draft = lambda *args: proposed.append(draft(*args)) or proposed[-1]
     requests = [engine.add_request(prompt, SamplingParams(max_new_tokens=2, ignore_eos=True, seed=seed, **setting))
                 for seed in range(DIST_N)]
     while engine.has_unfinished():

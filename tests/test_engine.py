@@ -241,7 +241,8 @@ def test_decode_runs_plan_once_per_run_and_give_the_per_step_tokens(make_engine,
     """An unchanged batch of decodes builds its metadata (and its attention plan) once per run of decode_run_steps
     steps, not once per step, with the tokens of per-step builds; a control whose steps all reuse the run's first
     step's metadata gives other tokens, so the comparison can fail."""
-    import infer.engine as engine_module
+    import infer.engine.forward as forward_module
+    import infer.model_runner as runner_module
 
     prompts, params = PROMPTS[:4], SamplingParams(max_new_tokens=40, ignore_eos=True)
     expected = [r.output_ids for r in make_engine(decode_run_steps=1).generate(prompts, params)]
@@ -253,8 +254,8 @@ def test_decode_runs_plan_once_per_run_and_give_the_per_step_tokens(make_engine,
             return build(*args, **kwargs)
         return wrapper
 
-    monkeypatch.setattr(engine_module, "DecodeSteps", counted("run", engine_module.DecodeSteps))
-    monkeypatch.setattr(engine_module, "build_page_metadata", counted("step", engine_module.build_page_metadata))
+    monkeypatch.setattr(runner_module, "DecodeSteps", counted("run", runner_module.DecodeSteps))
+    monkeypatch.setattr(forward_module, "build_page_metadata", counted("step", forward_module.build_page_metadata))
     engine = make_engine(decode_run_steps=8)
     assert [r.output_ids for r in engine.generate(prompts, params)] == expected
     assert builds == {"run": 5, "step": 1}  # the prefill, then 39 decode steps in runs of 8, 8, 8, 8 and 7
@@ -287,7 +288,7 @@ def test_stop_on_max_new_tokens(make_engine):
 
 
 def test_a_verify_steps_tokens_settle_as_appended_one_at_a_time(make_engine):
-    """A verify step's emitted tokens settled at once (`_append_verified`) leave a request as `_append_token` leaves it
+    """A verify step's emitted tokens settled at once (`append_verified`) leave a request as `append` leaves it
     token by token: the tokens kept up to the first stop id or the length limit (new tokens or the context), the
     settled prefix, the finish reason, the text, the pages freed. Random emissions of 1-5 tokens with stop ids;
     settling every emitted token (the broken control) differs."""
@@ -307,8 +308,8 @@ def test_a_verify_steps_tokens_settle_as_appended_one_at_a_time(make_engine):
             states.append(request)
         emitted = [rng.choice([2, 7, 9, rng.randint(10, 500)]) for _ in range(rng.randint(1, 5))]
         one, once, naive = states
-        stopped = any(by_one._append_token(one, token, settle=True) for token in emitted)
-        assert at_once._append_verified(once, emitted) == stopped
+        stopped = any(by_one.output.append(one, token, settle=True) for token in emitted)
+        assert at_once.output.append_verified(once, emitted) == stopped
         fields = lambda r: (r.output_ids, r.token_ids, r.num_computed, r.finish_reason, r.text,  # noqa: E731
                             r.page_table.pages)
         assert fields(once) == fields(one), (emitted, params)

@@ -1,7 +1,7 @@
 """The FlashInfer backend's side of the contract, on a CPU: `tests/fake_flashinfer.py` stands in for the package and
 attends from nothing but what `plan()` was given, in FlashInfer's documented page layout. Through it the engine gives
 the torch backend's tokens (greedy: plain with chunked prefill and mixed lengths, speculative with an MTP head and a draft LM,
-and an MLA model; sampled speculation with an MTP head: the same drafts at every step, under both catch-up schedules);
+and an MLA model; sampled speculation with an MTP head: the same drafts at every step);
 every forward is planned once, with its indptrs and lengths on the host, before its layers run; a page
 length one short (the newest key dropped) changes the tokens, so the comparison has power. Metadata built for
 another device keeps its host copies. The kernels themselves run only on a GPU (`launch/gpu_check.sh`).
@@ -74,11 +74,9 @@ def test_speculation_gives_the_torch_backends_tokens_and_acceptance(fake, storie
         assert tau == 4.0
 
 
-@pytest.mark.parametrize("schedule", ["accepted", "verified"])
-def test_sampled_speculation_gives_the_torch_backends_drafts_and_tokens(fake, stories_model, stories_tokenizer,
-                                                                      schedule):
+def test_sampled_speculation_gives_the_torch_backends_drafts_and_tokens(fake, stories_model, stories_tokenizer):
     """Seeded T=1 requests on a story, where the untrained head's drafts are often accepted: the head's carry (its
-    logits and state at each catch-up's last row, or at the last emitted row of the verified schedule) is read
+    logits and state at each request's last settled row of the catch-up, its last emitted one after a verify) is read
     from every row FlashInfer computes as from the rows the torch backend computes alone, so every step drafts the
     same tokens and emits the same ones."""
     head = init_head_from_target(stories_model, "stories260K")
@@ -87,17 +85,16 @@ def test_sampled_speculation_gives_the_torch_backends_drafts_and_tokens(fake, st
     runs = {}
     for backend in ("torch", "flashinfer"):
         engine = Engine(stories_model, None, [], EngineConfig(page_size=4, num_pages=128, max_num_batched_tokens=8,
-                                                              backend=backend, num_draft_tokens=3,
-                                                              draft_catch_up=schedule))
+                                                              backend=backend, num_draft_tokens=3))
         engine.attach_drafter("mtp", head)
-        drafts, propose = [], engine.drafter.propose
+        drafts, draft = [], engine.drafter.draft
 
-        def recording_propose(seqs, *args, **kwargs):
-            ids, probs = propose(seqs, *args, **kwargs)
+        def recording_draft(seqs, *args, **kwargs):
+            ids, probs = draft(seqs, *args, **kwargs)
             drafts.append(([s.request_id for s in seqs], ids.tolist()))
             return ids, probs
 
-        engine.drafter.propose = recording_propose
+        engine.drafter.draft = recording_draft
         params = [SamplingParams(max_new_tokens=64, ignore_eos=True, temperature=1.0, seed=i) for i in range(3)]
         out = engine.generate(prompts, params)
         runs[backend] = (drafts, [r.output_ids for r in out], engine.spec_stats.accepted_length_histogram)

@@ -68,7 +68,7 @@ def head_copy(saved_head, tmp_path) -> Path:
 
 def test_round_trip_gives_identical_drafts_through_the_engine(saved_head, stories_model, stories_tokenizer):
     """Two engines, one with the head in memory and one with it loaded from disk, stepped in lockstep: the drafter's
-    carried logits of every request are bitwise equal after every step, and so are outputs and acceptance."""
+    carried logits of every live request are bitwise equal after every step, and so are outputs and acceptance."""
     head, path = saved_head
     loaded = load_head(path, stories_model)
     engines = []
@@ -87,7 +87,6 @@ def test_round_trip_gives_identical_drafts_through_the_engine(saved_head, storie
         steps += 1
         for ours, theirs in zip(*requests):
             ours_drafter, theirs_drafter = engines[0].drafter, engines[1].drafter
-            assert ours_drafter.num_cached(ours.request_id) == theirs_drafter.num_cached(theirs.request_id)
             if not ours.finished:
                 assert torch.equal(ours_drafter.carried_logits(ours.request_id),
                                    theirs_drafter.carried_logits(theirs.request_id)), f"step {steps}"

@@ -14,7 +14,7 @@ import pytest
 import torch
 from torch import Tensor
 
-from infer.rejection_sampler import greedy_accept, greedy_verify, rejection_sample
+from infer.rejection_sampler import greedy_verify, rejection_sample
 from infer.sampler import make_generator
 from tests.test_sampler import ALPHA, chi_square
 
@@ -100,7 +100,7 @@ def binomial_z(successes: int, trials: int, rate: float) -> float:
     return (successes - trials * rate) / math.sqrt(trials * rate * (1 - rate))
 
 
-# --- greedy_verify, greedy_accept -----------------------------------------------------------------------------
+# --- greedy_verify ---------------------------------------------------------------------------------------------------
 
 
 def test_greedy_verify_hand_made_cases() -> None:
@@ -117,7 +117,6 @@ def test_greedy_verify_hand_made_cases() -> None:
     assert tokens.tolist() == [[5, 6, 7, 9], [5, 8, -1, -1], [5, 6, 0, -1], [5, -1, -1, -1]]
     assert num_emitted.tolist() == [4, 2, 3, 1]
     assert tokens.dtype == num_emitted.dtype == torch.long
-    assert greedy_accept(drafts, target_argmax) == [[5, 6, 7, 9], [5, 8], [5, 6, 0], [5]]
 
 
 @pytest.mark.parametrize("k", [1, 2, 3, 4])
@@ -128,7 +127,6 @@ def test_greedy_verify_matches_row_loop(k: int) -> None:
     target_argmax = torch.randint(0, 3, (200, k + 1), generator=gen)
 
     tokens, num_emitted = greedy_verify(drafts, target_argmax)
-    host = greedy_accept(drafts, target_argmax)
 
     for row in range(200):
         emitted = []
@@ -138,7 +136,6 @@ def test_greedy_verify_matches_row_loop(k: int) -> None:
                 break
         assert num_emitted[row].item() == len(emitted)
         assert tokens[row].tolist() == emitted + [-1] * (k + 1 - len(emitted))
-        assert host[row] == emitted
     assert set(num_emitted.tolist()) == set(range(1, k + 2))
 
 

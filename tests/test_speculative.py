@@ -13,6 +13,9 @@
   test has power). Seeded requests reproduce exactly across identical runs.
 - Edges: stop strings inside accepted drafts, the context limit, prefills ending in a one-token chunk, the token
   budget of a verify forward.
+- The drafter seam: one `propose` per target forward with all its rows, before the host reads the outcome; a head's
+  carry read at each verify's last emitted row (chosen on the device) drafts as a catch-up over the settled rows
+  alone, and a carry read elsewhere does not.
 """
 
 from __future__ import annotations
@@ -119,18 +122,17 @@ class Run:
 
 
 def page_violations(engine: Engine, step: int) -> list[str]:
-    """Every live request holds ceil(max(target, drafter cache length) / page_size) pages (without a drafter, up to
-    the decode_run_steps - 1 tokens more that a decode run reserves), waiting ones none; the pool's used pages are
-    exactly the pages in tables, none in two tables."""
+    """Every live request holds ceil(num_computed / page_size) pages (without a drafter, up to the
+    decode_run_steps - 1 tokens more that a decode run reserves; a drafter's cache lives in the same pages, never
+    longer), waiting ones none; the pool's used pages are exactly the pages in tables, none in two tables."""
     problems = []
     page_size = engine.config.page_size
     ahead = engine.config.decode_run_steps - 1 if engine.drafter is None else 0
     for r in engine.running:
-        draft_cached = engine.drafter.num_cached(r.request_id) if engine.drafter else 0
-        want = pages_needed(max(r.num_computed, draft_cached), page_size)
-        if not want <= len(r.page_table.pages) <= pages_needed(max(r.num_computed, draft_cached) + ahead, page_size):
+        want = pages_needed(r.num_computed, page_size)
+        if not want <= len(r.page_table.pages) <= pages_needed(r.num_computed + ahead, page_size):
             problems.append(f"step {step}: request {r.request_id} holds {len(r.page_table.pages)} pages for "
-                            f"num_computed={r.num_computed}, drafter cached={draft_cached} (wants {want})")
+                            f"num_computed={r.num_computed} (wants {want})")
     for r in engine.waiting:
         if r.page_table.pages:
             problems.append(f"step {step}: waiting request {r.request_id} holds pages {r.page_table.pages}")
@@ -588,7 +590,7 @@ def test_seeded_requests_reproduce_and_greedy_neighbours_stay_exact(
     assert not first.violations and first.free_at_end == first.num_pages
 
 
-# --- mixed batches and the catch-up schedules ---------------------------------------------------------------------
+# --- mixed batches ---------------------------------------------------------------------------------------------------
 
 
 @pytest.mark.parametrize("drafter", ["draft", "mtp"])
@@ -621,6 +623,9 @@ def test_decodes_speculate_in_the_same_forward_as_arriving_prefills(stories_mode
     assert sum(mixed_forwards) >= 5, "no forward packed verify rows beside a prefill chunk"
 
 
+# --- the drafter seam ----------------------------------------------------------------------------------------------
+
+
 @pytest.fixture(scope="module")
 def token_reading_head(untrained_head):
     """The untrained head with its projection's token half nonzero: its drafts depend on the tokens its catch-up
@@ -632,79 +637,100 @@ def token_reading_head(untrained_head):
     return head
 
 
-@pytest.mark.parametrize("temperature", [0.0, 1.0], ids=["greedy", "T=1"])
+@pytest.mark.parametrize("drafter", ["draft", "mtp"])
+def test_the_drafter_gets_each_forwards_rows_once_before_the_host_reads_the_outcome(
+        stories_model, stories_tokenizer, untrained_head, workloads, monkeypatch, drafter):
+    """Every step makes one target forward and one `propose` with all of its rows, every request's carry row
+    among them; in speculative steps `propose` comes before the host reads the emitted tokens."""
+    import infer.engine.loop as loop_module
+
+    prompts, params = workloads["mixed"]
+    engine = Engine(stories_model, stories_tokenizer, [2], EngineConfig(
+        num_draft_tokens=3, backend="torch", page_size=8, num_pages=128, max_num_batched_tokens=24))
+    engine.attach_drafter(drafter, stories_model if drafter == "draft" else untrained_head)
+    events = []
+    run_target, propose, read = engine.runner.run, engine.drafter.propose, loop_module.emitted_lists
+
+    def recording_run(input_ids, *args, **kwargs):
+        events.append(("forward", input_ids.numel()))
+        return run_target(input_ids, *args, **kwargs)
+
+    def recording_propose(rows):
+        assert rows.meta.output_rows is None, "the target's metadata is the drafter's to copy, not to change"
+        events.append(("propose", rows.input_ids.numel()))
+        assert rows.next_token_ids.shape == rows.input_ids.shape and rows.last_rows.shape == (len(rows.requests),)
+        assert (rows.last_rows.diff() > 0).all() and int(rows.last_rows[-1]) < rows.input_ids.numel()
+        return propose(rows)
+
+    engine.runner.run = recording_run
+    engine.drafter.propose = recording_propose
+    monkeypatch.setattr(loop_module, "emitted_lists", lambda emitted: events.append(("read",)) or read(emitted))
+    run = drive(engine, prompts, params)
+
+    assert engine.spec_stats.verify_steps > 10 and not run.violations
+    forwards = [e for e in events if e[0] == "forward"]
+    assert [e for e in events if e[0] == "propose"] == [("propose", n) for _, n in forwards]
+    for i, event in enumerate(events):
+        if event == ("read",):
+            assert events[i - 1][0] == "propose", events[i - 3 : i + 1]
+
+
 @pytest.mark.parametrize("k", [1, 3])
-def test_verified_catch_up_schedule_gives_the_accepted_schedules_tokens_and_acceptance(
-        stories_model, stories_tokenizer, token_reading_head, workloads, k, temperature):
-    """The seed's schedule (the head over all K+1 verified positions before the accepted lengths are read) drafts
-    the same tokens as the default: seeded requests, greedy and at T=1, give the same outputs and the same
-    accepted-length histogram (the head reads its tokens, so a catch-up that read others would draft otherwise),
-    and pages stay in step with both caches."""
-    prompts, greedy = workloads["mixed"]
-    params = [dataclasses.replace(p, temperature=temperature, seed=i) for i, p in enumerate(greedy)]
-    runs = {}
-    for schedule in ("accepted", "verified"):
-        engine = Engine(stories_model, stories_tokenizer, [2], EngineConfig(
-            num_draft_tokens=k, backend="torch", page_size=8, num_pages=128, draft_catch_up=schedule))
-        engine.attach_drafter("mtp", token_reading_head)
-        runs[schedule] = drive(engine, prompts, params)
-    accepted, verified = runs["accepted"], runs["verified"]
-    assert verified.outputs == accepted.outputs and not verified.violations and not accepted.violations
-    assert verified.spec["accepted_length_histogram"] == accepted.spec["accepted_length_histogram"]
-    assert sum(verified.spec["accepted_length_histogram"][1:]) > 0, "no draft was ever accepted: a weak check"
-
-
-def test_verified_schedule_is_for_mtp_heads_only(stories_model):
-    engine = Engine(stories_model, config=EngineConfig(draft_catch_up="verified", num_pages=8))
-    with pytest.raises(ValueError, match="MTP head's schedule"):
-        engine.attach_drafter("draft", stories_model)
-    with pytest.raises(ValueError, match="draft_catch_up must be one of accepted, verified, got 'eager'"):
-        Engine(stories_model, config=EngineConfig(draft_catch_up="eager", num_pages=8)).attach_drafter(
-            "mtp", init_head_from_target(stories_model, "stories260K"))
-
-
-@pytest.mark.parametrize("k", [1, 3])
-def test_catch_up_on_the_verify_rows_drafts_as_over_the_accepted_spans(
-        stories_model, stories_tokenizer, untrained_head, workloads, monkeypatch, k):
-    """With the verify rows alone in the target's forward, the default schedule catches the head up over all K+1
-    verify rows on that forward's own page metadata: the drafter builds no metadata of its own after the prompts'
-    catch-up, and it drafts what a catch-up over the accepted spans drafts (the reference: the forward's metadata
-    withheld, as beside other requests' rows): the same outputs and accepted-length histogram on seeded T=1
-    requests. A broken control reading the carry at each request's last verify row instead of its last emitted one
-    drafts otherwise."""
-    import infer.engine as engine_module
-    import infer.speculative as speculative_module
+def test_the_heads_carry_is_its_last_emitted_row_and_a_broken_choice_drafts_otherwise(
+        stories_model, stories_tokenizer, token_reading_head, workloads, monkeypatch, k):
+    """Seeded T=1 requests: a head whose carry is read at each verify's last emitted row drafts what a head
+    caught up over the settled positions alone (a reference run with the drafter given only those: the same
+    outputs and accepted-length histogram); a broken control reading every verify's last row drafts otherwise."""
+    from infer.engine.forward import TargetForward
 
     prompts, greedy = workloads["mixed"]
     params = [dataclasses.replace(p, temperature=1.0, seed=i) for i, p in enumerate(greedy)]
-    real_decode, real_build = engine_module.speculative_decode, speculative_module.build_page_metadata
-    builds = []
+    real_rows = TargetForward.target_rows
 
-    def run(*patches: tuple[object, str, object]) -> Run:
-        builds.clear()
+    def run(target_rows) -> Run:
         with monkeypatch.context() as patch:
-            patch.setattr(speculative_module, "build_page_metadata", lambda *a: builds.append(1) or real_build(*a))
-            for target, name, value in patches:
-                patch.setattr(target, name, value)
+            patch.setattr(TargetForward, "target_rows", target_rows)
             engine = Engine(stories_model, stories_tokenizer, [2], EngineConfig(
                 num_draft_tokens=k, backend="torch", page_size=8, num_pages=128))
-            engine.attach_drafter("mtp", untrained_head)
+            engine.attach_drafter("mtp", token_reading_head)
             return drive(engine, prompts, params)
 
-    verify_rows = run()
-    assert len(builds) == 1 and verify_rows.spec["verify_steps"] > 10  # the prompts' catch-up only
-    spans = run((engine_module, "speculative_decode",
-                 lambda forward, *args: real_decode(lambda ids: (forward(ids)[0], None), *args)))
-    assert len(builds) > 10  # the span path did run: a build per speculative step
-    assert verify_rows.outputs == spans.outputs and not verify_rows.violations and not spans.violations
-    assert verify_rows.spec["accepted_length_histogram"] == spans.spec["accepted_length_histogram"]
-    assert sum(spans.spec["accepted_length_histogram"][1:]) > 0, "no draft was ever accepted: a weak check"
+    def last_verify_rows(self, sampled, emitted, num_emitted):
+        rows = real_rows(self, sampled, emitted, num_emitted)
+        if emitted is not None:
+            rows.last_rows[-len(num_emitted):] += k + 1 - num_emitted
+        return rows
 
-    real_rows = speculative_module.MTPDrafter._run_verify_rows
+    seam = run(real_rows)
+    reference = run(settled_rows_only(real_rows))
+    assert seam.outputs == reference.outputs and not seam.violations
+    assert seam.spec["accepted_length_histogram"] == reference.spec["accepted_length_histogram"]
+    assert sum(seam.spec["accepted_length_histogram"][1:]) > 0, "no draft was ever accepted: a weak check"
+    broken = run(last_verify_rows)
+    assert broken.spec["accepted_length_histogram"] != seam.spec["accepted_length_histogram"]
 
-    def last_verify_row(self, seqs, own_tokens, last_rows, target_hidden, verify_meta):
-        width = target_hidden.shape[1]
-        return real_rows(self, seqs, own_tokens, last_rows // width * width + width - 1, target_hidden, verify_meta)
 
-    broken = run((speculative_module.MTPDrafter, "_run_verify_rows", last_verify_row))
-    assert broken.spec["accepted_length_histogram"] != spans.spec["accepted_length_histogram"]
+def settled_rows_only(real_rows):
+    """`TargetForward.target_rows` cut to the settled rows on the host: each verify's emitted rows alone, packed
+    with their own metadata (the reference the device-side choice must equal)."""
+
+    def target_rows(self, sampled, emitted, num_emitted):
+        rows = real_rows(self, sampled, emitted, num_emitted)
+        if emitted is None:
+            return rows
+        counts = num_emitted.tolist()
+        width, first = emitted.shape[1], self.rows.num_tokens
+        keep = list(range(first)) + [first + b * width + j for b, n in enumerate(counts) for j in range(n)]
+        keep_t = torch.tensor(keep)
+        plain = self.rows
+        q_lens = plain.q_lens + counts
+        kv_lens = plain.kv_lens + [r.num_computed + n for r, n in zip(self.speculating, counts)]
+        meta = build_page_metadata(plain.page_lists + [r.page_table.pages for r in self.speculating], q_lens, kv_lens,
+                                   rows.meta.page_size, rows.input_ids.device)
+        lasts = torch.tensor(q_lens).cumsum(0) - 1
+        output = ModelOutput(None, rows.output.hidden_states[keep_t],
+                             {layer: h[keep_t] for layer, h in rows.output.aux_hidden_states.items()})
+        return dataclasses.replace(rows, input_ids=rows.input_ids[keep_t], next_token_ids=rows.next_token_ids[keep_t],
+                                   last_rows=lasts, meta=meta, output=output)
+
+    return target_rows

@@ -250,8 +250,8 @@ def test_zero3_bfloat16_eagle3_run_exports_a_head_the_runtime_loads(tmp_path, fe
     engine.load_drafter("mtp", tmp_path / "head")  # the folder's architecture picks the EAGLE-3 drafter
     assert type(engine.drafter).__name__ == "Eagle3Drafter"
     proposed = []
-    propose = engine.drafter.propose
-    engine.drafter.propose = lambda *args: proposed.append(propose(*args)) or proposed[-1]
+    draft = engine.drafter.draft
+    engine.drafter.draft = lambda *args: proposed.append(draft(*args)) or proposed[-1]
     engine.generate(["Once upon a time"], SamplingParams(max_new_tokens=24, temperature=1.0, seed=0))
     drafts = torch.cat([ids.flatten() for ids, _ in proposed])
     assert len(drafts) > 0 and bool(head.t2d[drafts].all())

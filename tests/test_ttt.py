@@ -22,11 +22,12 @@ import torch
 
 from infer.attention import PackedCausalAttention
 from infer.engine import Engine, EngineConfig
-from infer.kv_cache import PagePool, PageTable
+from infer.kv_cache import PagePool, PageTable, build_page_metadata
 from infer.models.mtp_head import init_head_from_target
 from infer.sampler import SamplingTensors
 from infer.sampling_params import SamplingParams
-from infer.speculative import DRAFTERS
+from infer.models.common import ModelOutput
+from infer.speculative import DRAFTERS, TargetRows
 from mtp_train.data import PackedBatch, pad_tokens, window_segments
 from mtp_train.ttt import chain_attention
 from mtp_train.unroll import LossWeights, UnrolledHead, batch_plan, per_step_means, unroll_plan, unrolled_steps
@@ -174,17 +175,24 @@ class Seq:
 
 
 def runtime_drafts(kind: str, head, text: list[int], target_out):
-    """Every anchor i drafted as the engine would: catch-up over 0..i, then K greedy drafts.
+    """Every anchor i drafted as the engine would: a catch-up over rows 0..i of a target forward, then K greedy
+    drafts.
 
     Returns (drafts [A, K], step logits [A, K, V] recorded from the drafter's forwards)."""
     anchors = len(text) - 1
     pool = PagePool(anchors * (-(-(len(text) + K) // 16)), 16)
     drafter = DRAFTERS[kind](head, pool.num_pages, 16, "torch")
     seqs = [Seq(i, text[: i + 2], pool) for i in range(anchors)]
-    features = drafter.target_features(target_out)
-    drafter.catch_up(seqs, {i: (0, features) for i in range(anchors)})
+    rows = torch.cat([torch.arange(i + 1) for i in range(anchors)])  # anchor i's rows: positions 0..i, packed
+    ids = torch.tensor(text)
+    meta = build_page_metadata([s.page_table.pages for s in seqs], [i + 1 for i in range(anchors)],
+                               [i + 1 for i in range(anchors)], 16, torch.device("cpu"))
+    output = ModelOutput(None, target_out.hidden_states[rows],
+                         {layer: h[rows] for layer, h in target_out.aux_hidden_states.items()})
+    last_rows = torch.arange(1, anchors + 1).cumsum(0) - 1  # [A] anchor i's row at position i
+    drafter.propose(TargetRows(seqs, ids[rows], ids[rows + 1], last_rows, meta, output))
     recorded = [torch.stack([drafter.carried_logits(i) for i in range(anchors)])]
-    run = drafter._run  # every drafter forward goes through it; from here on, only propose's
+    run = drafter._run  # every drafter forward goes through it; from here on, only the drafts'
 
     def recording_run(*args, **kwargs):
         out = run(*args, **kwargs)
@@ -193,7 +201,7 @@ def runtime_drafts(kind: str, head, text: list[int], target_out):
 
     drafter._run = recording_run
     greedy = SamplingTensors.from_params([SamplingParams()] * anchors, "cpu")
-    drafts, _ = drafter.propose(seqs, K, greedy, [torch.Generator()] * anchors)
+    drafts, _ = drafter.draft(seqs, K, greedy, [torch.Generator()] * anchors)
     return drafts, torch.stack(recorded, dim=1)
 
 

@@ -152,7 +152,7 @@ class _TimedForwards:
         self.ids = {q_len: torch.ones(batch * q_len, dtype=torch.long, device=device) for q_len in (1, k + 1)}
         self.rows = {q_len: torch.arange(batch * q_len, device=device) for q_len in (1, k + 1)}
         self.draft_inputs = self._head_inputs(batch)
-        # a head's catch-up: every verify row, its output at each sequence's last (as MTPDrafter._run_verify_rows);
+        # a head's catch-up: every verify row, its output at each sequence's last (as MTPDrafter.propose);
         # a draft LM has none
         self.catch_up_rows = self.catch_up_meta = None
         if engine.drafter.one_layer:
@@ -219,7 +219,7 @@ class _TimedForwards:
         """The costs of `cycles` speculative cycles as a step runs them, each forward timed on its own (the mean of
         each kind), beside `decode`: a head's catch-up, K-1 drafts (one at K=1, for its price) and the verify; a
         draft LM's K drafts and the verify. Each cycle's drafts are the steps of a fresh `DecodeSteps` run, built
-        outside the timing as `Drafter.propose` builds them, so the drafts pay the run's plan and masks as a step's
+        outside the timing as `Drafter.draft` builds them, so the drafts pay the run's plan and masks as a step's
         do (one step's metadata, which no draft reads, would price them low)."""
         catch_ups, drafts, verifies = (Stopwatch(self.engine.device) for _ in range(3))
         with_catch_up = self.catch_up_rows is not None
