@@ -49,10 +49,10 @@ def test_freed_memory_is_reused_without_page_faults():
     pages = BLOCK // 4096
     kept = run_steps("keep")
     assert kept["applied"]
-    assert kept["mapped_alone"] == 0 and kept["heap_grew"] >= BLOCK and kept["heap_after_free"] >= BLOCK
+    # the heap grows by the block, less what free space it already had at its top (32 KB in a full test run)
+    assert kept["mapped_alone"] == 0 and kept["heap_grew"] > BLOCK - (1 << 20) and kept["heap_after_free"] >= BLOCK
     assert kept["faults"][0] > pages  # the first cycle maps its blocks
     assert sum(kept["faults"][8:]) < pages // 100  # the last eight cycles, nothing mapped anew
     default = run_steps("default")
-    # mapped on its own (the count can come out a few pages short: another mapping freed meanwhile, seen once)
-    assert default["mapped_alone"] > BLOCK // 2 and default["heap_grew"] < BLOCK
+    assert default["mapped_alone"] >= BLOCK and default["heap_grew"] < BLOCK
     assert default["faults"][1] > pages  # the second cycle maps its largest block again
