@@ -49,8 +49,8 @@ def test_freed_memory_is_reused_without_page_faults():
     pages = BLOCK // 4096
     kept = run_steps("keep")
     assert kept["applied"]
-    # the heap grows by the block, less what free space it already had at its top (32 KB in a full test run)
-    assert kept["mapped_alone"] == 0 and kept["heap_grew"] > BLOCK - (1 << 20) and kept["heap_after_free"] >= BLOCK
+    # the heap grows by the block, less the free space it already had at its top (32 KB with OMP_NUM_THREADS=1)
+    assert kept["mapped_alone"] == 0 and min(kept["heap_grew"], kept["heap_after_free"]) > BLOCK - (1 << 20)
     assert kept["faults"][0] > pages  # the first cycle maps its blocks
     assert sum(kept["faults"][8:]) < pages // 100  # the last eight cycles, nothing mapped anew
     default = run_steps("default")
