@@ -35,9 +35,10 @@ from mtp_train.trainer import param_groups
 from mtp_train.unroll import LossWeights, UnrolledHead
 from tests.test_sampler import ALPHA
 from tests.test_speculative import (
-    CONFIGS, DIST_PROMPT, REFERENCE, STORY, assert_greedy_identical, drive, filtered_rows, packed_prefill,
-    pooled_chi_square, target_conditionals, workloads,  # noqa: F401 - workloads is a fixture used below
+    CONFIGS, REFERENCE, STORY, assert_greedy_identical, drive, packed_prefill,
+    workloads,  # noqa: F401 - workloads is a fixture used below
 )
+from tests.test_speculative_sampling import DIST_PROMPT, filtered_rows, pooled_chi_square, target_conditionals
 
 pytestmark = pytest.mark.usefixtures("one_torch_thread")
 
