@@ -15,6 +15,7 @@
 
 from __future__ import annotations
 
+import copy
 from dataclasses import dataclass, field
 
 import pytest
@@ -419,6 +420,46 @@ def test_target_as_its_own_drafter_accepts_sampled_drafts(stories_model, stories
     assert run.preempted_after_speculating > 0
     assert not run.violations and run.free_at_end == run.num_pages
     assert all(len(r.output_ids) == 32 for r in run.requests)
+
+
+@pytest.fixture(scope="module")
+def perturbed_draft_lm(stories_model):
+    """The target with noise on its (tied) embedding and lm_head: a draft LM that agrees about half the time."""
+    model = copy.deepcopy(stories_model)
+    gen = torch.Generator().manual_seed(0)
+    weight = model.model.embed_tokens.weight
+    assert model.lm_head.weight is weight
+    with torch.no_grad():
+        weight.add_(torch.randn(weight.shape, generator=gen) * 0.3 * weight.std())
+    return model
+
+
+def test_seeded_requests_reproduce_and_greedy_neighbours_stay_exact(
+    stories_model, stories_tokenizer, perturbed_draft_lm, workloads, baseline
+):
+    """Sampled (seeded) and greedy requests share speculative batches, drafts often rejected: two identical runs give
+    identical tokens, and the greedy requests still equal decoding without a drafter."""
+    prompts, greedy_params = workloads["mixed"]
+    sampled = [SamplingParams(temperature=0.8, top_p=0.95, max_new_tokens=20, seed=100 + i, ignore_eos=True)
+               for i in range(0, len(prompts), 2)]
+    params = [sampled[i // 2] if i % 2 == 0 else greedy_params[i] for i in range(len(prompts))]
+
+    def run() -> Run:
+        engine = Engine(stories_model, stories_tokenizer, [2],
+                        EngineConfig(num_draft_tokens=3, backend="torch", page_size=16, num_pages=128))
+        engine.attach_drafter("draft", perturbed_draft_lm)
+        return drive(engine, prompts, params)
+
+    first, second = run(), run()
+
+    assert first.outputs == second.outputs
+    assert first.spec["verify_steps"] > 0 and first.spec["accepted_length_histogram"][0] > 0
+    sampled_outputs = [tuple(first.outputs[i]) for i in range(0, len(prompts), 2)]
+    assert len(set(sampled_outputs)) == len(sampled_outputs) and all(len(o) == 20 for o in sampled_outputs)
+    greedy_rows = list(range(1, len(prompts), 2))
+    pick = lambda run: Run([run.requests[i] for i in greedy_rows], run.spec)  # noqa: E731
+    assert_greedy_identical(stories_model, [prompts[i] for i in greedy_rows], pick(baseline), pick(first))
+    assert not first.violations and first.free_at_end == first.num_pages
 
 
 # --- mixed batches ---------------------------------------------------------------------------------------------------
