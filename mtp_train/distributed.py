@@ -69,9 +69,8 @@ def set_determinism(seed: int, deterministic: bool, device: torch.device) -> Non
 
 def native_bf16(device: torch.device) -> bool:
     """Whether bf16 matmuls run natively on `device`, so that trainer.autocast pays: any CUDA GPU, or a CPU that
-    oneDNN runs bf16 on (AVX512, AVX512-BF16, AMX). An AVX2-only CPU emulates them: on an AMD EPYC of these machines
-    a 2,600 x 512 x 2,048 bf16 matmul took 954 ms against 108 ms in fp32, and the pipeline's autocast training ran
-    at 500 tokens/s against 6.5k on an AVX512-BF16 CPU."""
+    oneDNN runs bf16 on (AVX512, AVX512-BF16, AMX); an AVX2-only CPU emulates them, several times slower than fp32
+    (docs/benchmark_history.md)."""
     if device.type == "cuda":
         return True
     try:
