@@ -19,7 +19,6 @@ torch.load(weights_only=True) (mtp_train.distributed), so a planted file cannot 
 
 from __future__ import annotations
 
-import hashlib
 import json
 import os
 import pickle
@@ -28,6 +27,7 @@ import shutil
 import sys
 from pathlib import Path
 
+from data_tools.shards import atomic_write_bytes, sha256_file
 from infer.models.mtp_head import config_identity
 from mtp_train import distributed
 from mtp_train.distributed import ZeroHead
@@ -50,26 +50,13 @@ def _staging(checkpoint_dir: Path, step: int) -> Path:
     return checkpoint_dir / f".{tag(step)}.partial"
 
 
-def _write_atomic(path: Path, text: str) -> None:
-    tmp = path.with_name(f".{path.name}.tmp")
-    with open(tmp, "w") as f:
-        f.write(text)
-        f.flush()
-        os.fsync(f.fileno())
-    tmp.replace(path)
-
-
-def _sha256(path: Path) -> str:
-    digest = hashlib.sha256()
-    with open(path, "rb") as f:
-        while block := f.read(1 << 22):
-            digest.update(block)
-    return digest.hexdigest()
+def _json(value: dict) -> bytes:
+    return (json.dumps(value, indent=1, sort_keys=True) + "\n").encode()
 
 
 def _listing(folder: Path) -> dict[str, dict]:
     """Every file below `folder` but the two JSON files that describe it: relative path -> size and sha256."""
-    return {str(p.relative_to(folder)): {"size": p.stat().st_size, "sha256": _sha256(p)}
+    return {str(p.relative_to(folder)): {"size": p.stat().st_size, "sha256": sha256_file(p)}
             for p in sorted(folder.rglob("*")) if p.is_file() and p.name not in (RUN_FILE, FILES_FILE)}
 
 
@@ -93,12 +80,12 @@ def save(zero_head: ZeroHead, checkpoint_dir: str | Path, step: int, identity: d
     distributed.barrier()  # every rank's files are written and closed
     if rank == 0:
         _sync_folder(staging)
-        _write_atomic(staging / RUN_FILE, json.dumps({"step": step, **identity}, indent=2, sort_keys=True) + "\n")
-        _write_atomic(staging / FILES_FILE, json.dumps(_listing(staging), indent=1, sort_keys=True) + "\n")
+        atomic_write_bytes(staging / RUN_FILE, _json({"step": step, **identity}))
+        atomic_write_bytes(staging / FILES_FILE, _json(_listing(staging)))
         if final.exists():  # this step saved before a crash that came before `latest` moved: ours, replaced
             shutil.rmtree(final)
         staging.rename(final)
-        _write_atomic(checkpoint_dir / LATEST, tag(step))
+        atomic_write_bytes(checkpoint_dir / LATEST, tag(step).encode())
     distributed.barrier()
 
 
@@ -121,7 +108,7 @@ def _problem(folder: Path) -> str | None:
             return f"{path} is missing"
         if path.stat().st_size != expected["size"]:
             return f"{path} has {path.stat().st_size:,} bytes, {files_file.name} lists {expected['size']:,}"
-        if _sha256(path) != expected["sha256"]:
+        if sha256_file(path) != expected["sha256"]:
             return f"{path} does not match its sha256 in {files_file.name}"
     return None
 
