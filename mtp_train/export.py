@@ -65,16 +65,7 @@ from infer.models.mtp_head import (
     save_head,
 )
 from mtp_train.engine_loaders import engine_layer_ids, loaders
-from mtp_train.export_names import (  # noqa: F401 - FUSED, NEXTN_PREFIX and split_layer importable from here too
-    FUSED,
-    MODULE_NAMES,
-    NEXTN_PREFIX,
-    from_format,
-    fuse_layer,
-    split_fused,
-    split_layer,
-    to_format,
-)
+from mtp_train.export_names import MODULE_NAMES, from_format, fuse_layer, split_fused, to_format
 
 FORMATS = ("runtime", "eagle", "sglang-nextn", "eagle3", "speculators")
 EAGLE3_FORMATS = ("eagle3", "speculators")  # an EAGLE-3 head's, besides runtime
