@@ -349,7 +349,11 @@ def test_bench_cli_with_tp_matches_one_process(session, stories_hf_dir, head_dir
         spec, plain = arrivals["spec_latency_ms"], arrivals["plain_latency_ms"]  # each rounded to 0.01 ms
         assert plain > 0.01 and (spec - 0.005) / (plain + 0.005) - 5e-4 <= arrivals["latency_ratio"] \
             <= (spec + 0.005) / (plain - 0.005) + 5e-4  # the ratio rounded to 0.001
-    assert [r["recommended_k"] for r in two["recommendations"]] == [r["recommended_k"] for r in one["recommendations"]]
+    # K is recommended from each run's own forward timings, which two processes and one need not share: the same
+    # rows are recommended for and checked at the same K, and each recommends that K or plain decoding
+    chosen = lambda result: [(r["temperature"], r["batch_size"], r["checked_k"]) for r in result["recommendations"]]  # noqa: E731
+    assert chosen(two) == chosen(one) == [(0.0, 2, 2)]
+    assert all(r["recommended_k"] in (0, 2) for result in (one, two) for r in result["recommendations"])
     for result in (one, two):  # a CPU row splits the fastest runs' steps into forwards and host work
         assert all(r[name] > 0 for r in result["rows"] for name in ("plain_host_ms", "spec_forward_ms", "spec_host_ms"))
 
