@@ -198,6 +198,7 @@ class Engine:
         if request.finished:
             return
         self.scheduler.drop(request)
+        self.runner.decode_runs.reset()
         self._forget(request)
         request.finish_reason = "abort"
         request.finish_time = time.perf_counter()
@@ -209,6 +210,7 @@ class Engine:
         running = list(self.running)
         for request in reversed(running):
             self.scheduler.requeue(request)
+        self.runner.decode_runs.reset()
         return running
 
     def has_unfinished(self) -> bool:
