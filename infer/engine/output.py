@@ -71,6 +71,14 @@ class OutputProcessor:
             request.prompt_text_decoded = self.tokenizer.decode(request.prompt_ids, skip_special_tokens=True)
         return text_after_prompt(self.tokenizer, request.prompt_text_decoded, request.prompt_ids, request.output_ids)
 
+    def _hit_stop_string(self, request: Request) -> bool:
+        text = self._output_text(request) if self.tokenizer else ""
+        hits = [i for i in (text.find(s) for s in request.params.stop) if i >= 0]
+        if hits:
+            request.text = text[: min(hits)]
+            request.stopped_by_string = True
+        return bool(hits)
+
 
 def text_after_prompt(tokenizer: PreTrainedTokenizerBase, prompt_decoded: str, prompt_ids: list[int],
                       output_ids: list[int]) -> str:
@@ -80,11 +88,3 @@ def text_after_prompt(tokenizer: PreTrainedTokenizerBase, prompt_decoded: str, p
     if full.startswith(prompt_decoded):
         return full[len(prompt_decoded):]
     return tokenizer.decode(output_ids, skip_special_tokens=True)
-
-    def _hit_stop_string(self, request: Request) -> bool:
-        text = self._output_text(request) if self.tokenizer else ""
-        hits = [i for i in (text.find(s) for s in request.params.stop) if i >= 0]
-        if hits:
-            request.text = text[: min(hits)]
-            request.stopped_by_string = True
-        return bool(hits)
