@@ -86,7 +86,7 @@ def engine_requests(served: Served, body: CompletionRequest | ChatCompletionRequ
                 word = str(err).split()[0]
                 param = prompt_field if word in ("prompt", "the") else _FIELDS.get(word.rstrip(","), None)
                 raise ServingError(str(err).replace("max_new_tokens", "max_tokens"), param) from err
-            streams.append(Stream(i * body.n + j, prompt_ids, params, sink, loop))
+            streams.append(Stream(i * body.n + j, prompt_ids, params, sink, loop, incremental=body.stream))
     return streams
 
 
@@ -216,7 +216,10 @@ class Reply:
                     continue
                 choice = self._choice(update.index, text, update.finish_reason, first=not started[update.index])
                 started[update.index] = True
-                yield _sse(self._envelope([choice], chunk=True))
+                chunk = self._envelope([choice], chunk=True)
+                if self.body.continuous_usage:
+                    chunk["usage"] = self.usage()
+                yield _sse(chunk)
             if self.body.include_usage:
                 yield _sse({**self._envelope([], chunk=True), "usage": self.usage()})
             yield "data: [DONE]\n\n"

@@ -49,6 +49,7 @@ class Stream:
     params: SamplingParams
     sink: asyncio.Queue
     loop: asyncio.AbstractEventLoop
+    incremental: bool = True  # an update every step (streamed); False: one update when it ends
     request: Request | None = None  # set by the engine thread when it queues the request
     published: int = 0  # output ids already sent
     done: bool = False
@@ -209,7 +210,7 @@ class EngineLoop:
         for request_id, stream in list(self._streams.items()):
             request = stream.request
             n = len(request.output_ids)
-            if n == stream.published and not request.finished:
+            if not request.finished and (n == stream.published or not stream.incremental):
                 continue
             new_ids = request.output_ids[stream.published:n]
             total += len(new_ids)

@@ -86,6 +86,11 @@ class _Sampling(BaseModel):
     def include_usage(self) -> bool:
         return bool((self.stream_options or {}).get("include_usage"))
 
+    @property
+    def continuous_usage(self) -> bool:
+        """vLLM's stream_options.continuous_usage_stats: usage in every chunk (a load generator counts tokens)."""
+        return bool((self.stream_options or {}).get("continuous_usage_stats"))
+
 
 class CompletionRequest(_Sampling):
     prompt: str | list[int] | list[str] | list[list[int]]
