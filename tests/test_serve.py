@@ -104,6 +104,11 @@ def test_streamed_text_equals_the_whole_text(servers):
     assert texts[0] != texts[1]  # control: seeds seed + i give each choice its own tokens
     assert chunks[-1].usage.completion_tokens == whole.usage.completion_tokens
     assert sum(len(c.choices) for c in chunks[:-1]) > 4  # it did stream, in several chunks
+    _, spec_url = servers["mtp"]  # a verify step's several tokens come in one chunk
+    for prompt in PROMPTS[:3]:
+        kwargs = dict(model=MODEL, prompt=prompt, max_tokens=40, temperature=0)
+        streamed = "".join(c.choices[0].text for c in client(spec_url).completions.create(stream=True, **kwargs))
+        assert streamed == client(spec_url).completions.create(**kwargs).choices[0].text
 
 
 def test_64_concurrent_streams_all_complete_and_free_every_page(servers):

@@ -67,9 +67,12 @@ class OutputProcessor:
 
     def _output_text(self, request: Request) -> str:
         """The generated text as it reads after the prompt (decoded together: a leading space survives)."""
+        decode = self.tokenizer.decode
         if request.prompt_text_decoded is None:
-            request.prompt_text_decoded = self.tokenizer.decode(request.prompt_ids, skip_special_tokens=True)
-        return text_after_prompt(self.tokenizer, request.prompt_text_decoded, request.prompt_ids, request.output_ids)
+            request.prompt_text_decoded = decode(request.prompt_ids, skip_special_tokens=True)
+        full = decode(request.token_ids, skip_special_tokens=True)
+        prefix = request.prompt_text_decoded
+        return full[len(prefix):] if full.startswith(prefix) else decode(request.output_ids, skip_special_tokens=True)
 
     def _hit_stop_string(self, request: Request) -> bool:
         text = self._output_text(request) if self.tokenizer else ""
@@ -78,13 +81,3 @@ class OutputProcessor:
             request.text = text[: min(hits)]
             request.stopped_by_string = True
         return bool(hits)
-
-
-def text_after_prompt(tokenizer: PreTrainedTokenizerBase, prompt_decoded: str, prompt_ids: list[int],
-                      output_ids: list[int]) -> str:
-    """Output ids as text after their prompt, decoded together with it so a leading space survives (a streaming
-    server calls it on the tokens so far, and its chunks add up to the engine's final text)."""
-    full = tokenizer.decode(prompt_ids + output_ids, skip_special_tokens=True)
-    if full.startswith(prompt_decoded):
-        return full[len(prompt_decoded):]
-    return tokenizer.decode(output_ids, skip_special_tokens=True)

@@ -1,9 +1,9 @@
 """A completion or chat completion from body to response: checks that name the field, the engine requests (one per
 prompt and choice), and the answer, whole or as server-sent events.
 
-Streamed text is the engine's text so far, decoded with the prompt (`text_after_prompt`) and held back where it
-could still change (a trailing partial character, or what may be the start of a stop string), so the chunks add up
-to the non-streamed text.
+Streamed text is decoded incrementally (`ChoiceText`) and held back where it could still change (a partial
+character, or what may be the start of a stop string); the last chunk brings the rest of the engine's own text, so
+the chunks add up to the non-streamed text.
 """
 
 from __future__ import annotations
@@ -20,7 +20,6 @@ from fastapi.responses import JSONResponse, StreamingResponse
 from transformers import PreTrainedTokenizerBase
 
 from infer.engine import Engine
-from infer.engine.output import text_after_prompt
 from infer.sampling_params import SamplingParams
 from infer.serve.engine_loop import EngineLoop, QueueFull, Stream, Update
 from infer.serve.protocol import ChatCompletionRequest, CompletionRequest, ServingError
@@ -101,28 +100,44 @@ def submit(served: Served, streams: list[Stream]) -> None:
 
 
 class ChoiceText:
-    """One choice's text as its tokens arrive: the part safe to send now, and the rest at the end."""
+    """One choice's text as its tokens arrive: the part safe to send now, and the rest at the end.
+
+    Decoded incrementally as vLLM's detokenizer does: a few tokens before the new ones are decoded with and without
+    them, and the difference is the new text (decoding the whole sequence every step costs O(length) per token)."""
+
+    WINDOW = 6  # tokens decoded before the new ones, so a word's leading space comes out as in the whole text
 
     def __init__(self, tokenizer: PreTrainedTokenizerBase, stream: Stream) -> None:
         self.tokenizer, self.stream = tokenizer, stream
-        self.prompt_decoded = tokenizer.decode(stream.prompt_ids, skip_special_tokens=True)
+        self.all_ids = list(stream.prompt_ids)
+        self.prefix_offset, self.read_offset = max(len(self.all_ids) - self.WINDOW, 0), len(self.all_ids)
         self.ids: list[int] = []
+        self.text = ""  # decoded so far
         self.sent = ""
         self.hold = max((len(s) for s in stream.params.stop), default=1) - 1
+
+    def _decode_new(self) -> None:
+        prefix = self.tokenizer.decode(self.all_ids[self.prefix_offset:self.read_offset], skip_special_tokens=True)
+        full = self.tokenizer.decode(self.all_ids[self.prefix_offset:], skip_special_tokens=True)
+        if len(full) > len(prefix) and not full.endswith("\ufffd"):  # else a character's bytes have not all come
+            self.text += full[len(prefix):]
+            self.prefix_offset, self.read_offset = max(self.read_offset, len(self.all_ids) - self.WINDOW), len(
+                self.all_ids)
 
     def delta(self, update: Update) -> str:
         """The text to send for this update."""
         self.ids.extend(update.new_ids)
+        self.all_ids.extend(update.new_ids)
         if update.finish_reason is not None:
             final = update.text or ""
             new = final[len(self.sent):] if final.startswith(self.sent) else ""
         else:
-            text = text_after_prompt(self.tokenizer, self.prompt_decoded, self.stream.prompt_ids, self.ids)
+            self._decode_new()
+            text = self.text
             for stop in self.stream.params.stop:  # never send a stop string, nor what may begin one
                 cut = text.find(stop)
                 text = text if cut < 0 else text[:cut]
             text = text[: len(text) - self.hold] if self.hold else text
-            text = text.rstrip("\ufffd")  # a character whose bytes have not all arrived
             new = text[len(self.sent):] if text.startswith(self.sent) else ""
         self.sent += new
         return new
