@@ -216,25 +216,32 @@ class Reply:
         return {**self._envelope(choices, chunk=False), "usage": self.usage()}
 
     async def events(self, sink: asyncio.Queue) -> AsyncIterator[str]:
-        """Server-sent events: a chunk per update that adds text or ends a choice, then usage if asked, [DONE].
-        A client that disconnects cancels this generator, and its `finally` aborts the requests."""
+        """Server-sent events: a chunk per choice for the updates that arrived since the last one (one a step while
+        the client keeps up; fewer, larger chunks when it falls behind), then usage if asked, [DONE]. A client that
+        disconnects cancels this generator, and its `finally` aborts the requests."""
         started = [False] * len(self.streams)
         try:
             while self.open:
-                update = await sink.get()
-                text = self.take(update)
-                if update.error is not None:
-                    yield _sse({"error": {"message": update.error, "type": "server_error", "param": None,
-                                          "code": 500}})
-                    continue
-                if not text and update.finish_reason is None and started[update.index]:
-                    continue
-                choice = self._choice(update.index, text, update.finish_reason, first=not started[update.index])
-                started[update.index] = True
-                chunk = self._envelope([choice], chunk=True)
-                if self.body.continuous_usage:
-                    chunk["usage"] = self.usage()
-                yield _sse(chunk)
+                updates = [await sink.get()]
+                while not sink.empty():
+                    updates.append(sink.get_nowait())
+                texts: dict[int, str] = {}
+                finish: dict[int, str | None] = {}
+                for update in updates:
+                    texts[update.index] = texts.get(update.index, "") + self.take(update)
+                    finish[update.index] = update.finish_reason
+                    if update.error is not None:
+                        yield _sse({"error": {"message": update.error, "type": "server_error", "param": None,
+                                              "code": 500}})
+                for index, text in texts.items():
+                    if (not text and finish[index] is None and started[index]) or finish[index] == "error":
+                        continue
+                    choice = self._choice(index, text, finish[index], first=not started[index])
+                    started[index] = True
+                    chunk = self._envelope([choice], chunk=True)
+                    if self.body.continuous_usage:
+                        chunk["usage"] = self.usage()
+                    yield _sse(chunk)
             if self.body.include_usage:
                 yield _sse({**self._envelope([], chunk=True), "usage": self.usage()})
             yield "data: [DONE]\n\n"
