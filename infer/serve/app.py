@@ -28,8 +28,6 @@ def validation_error(err: RequestValidationError) -> JSONResponse:
                               f"(at character {first.get('loc', ('', '?'))[-1]})", "body", 400)
     param = loc[0] if loc else None
     where = ".".join(loc) or "body"
-    if first.get("type") == "extra_forbidden":
-        return error_response(f"unsupported parameter {where}: this server does not implement it", param, 400)
     return error_response(f"{where}: {first.get('msg', 'invalid')}", param, 400)
 
 

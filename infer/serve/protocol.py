@@ -1,7 +1,7 @@
 """The OpenAI API's request bodies as pydantic models, and its error body.
 
-Fields the server does not implement are refused with a 400 naming them (unknown ones by `extra="forbid"`; known
-OpenAI ones when set to anything but their no-op value), never silently ignored.
+Fields the server does not implement are refused with a 400 naming them (unknown ones, and OpenAI ones set to
+anything but their no-op value), never silently ignored.
 """
 
 from __future__ import annotations
@@ -40,9 +40,9 @@ def error_response(message: str, param: str | None, status: int, kind: str = "in
 
 
 class _Sampling(BaseModel):
-    """What completions and chat completions share."""
+    """What completions and chat completions share; other fields are kept (extra) for `refuse_unsupported`."""
 
-    model_config = ConfigDict(extra="forbid")
+    model_config = ConfigDict(extra="allow")
 
     model: str
     n: int = Field(1, ge=1, le=64)
@@ -56,25 +56,14 @@ class _Sampling(BaseModel):
     stream_options: dict[str, Any] | None = None
     ignore_eos: bool = False  # vLLM's extra: generate max_tokens tokens whatever the model says
     user: str | None = None
-    # OpenAI fields refused unless off (UNSUPPORTED)
-    logprobs: Any = None
-    top_logprobs: Any = None
-    echo: Any = None
-    best_of: Any = None
-    suffix: Any = None
-    presence_penalty: Any = None
-    frequency_penalty: Any = None
-    logit_bias: Any = None
-    tools: Any = None
-    tool_choice: Any = None
-    response_format: Any = None
-    functions: Any = None
-    parallel_tool_calls: Any = None
 
     def refuse_unsupported(self) -> None:
-        """Raise ServingError naming the first OpenAI field set that this server does not implement."""
-        for name, off in UNSUPPORTED.items():
-            value = getattr(self, name, None)
+        """Raise ServingError naming the first field this server does not implement: an unknown one, or an OpenAI
+        one (UNSUPPORTED) set to anything but its no-op value."""
+        for name, value in (self.model_extra or {}).items():
+            off = UNSUPPORTED.get(name)
+            if off is None:
+                raise ServingError(f"unsupported parameter {name}: this server does not know it", name)
             if value is not None and not any(value == v and type(value) is type(v) for v in off):
                 raise ServingError(f"unsupported parameter {name}={value!r}: this server does not implement it", name)
 
