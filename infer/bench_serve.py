@@ -196,7 +196,7 @@ def fitting_prompts(prompts: list[str], args: argparse.Namespace) -> list[str]:
     tokenizer, context = load_tokenizer(args.model), load_config(args.model).max_position_embeddings
     if tokenizer is None:
         raise CliError(f"{args.model} has no tokenizer")
-    fitting = [p for p in prompts if len(tokenizer.encode(p)) + args.max_tokens <= context]
+    fitting = [p for p in prompts if len(tokenizer.encode(p, verbose=False)) + args.max_tokens <= context]
     if not fitting:
         raise CliError(f"no prompt of {args.prompt_file} leaves room for {args.max_tokens} tokens in the model's "
                        f"context of {context}")
@@ -248,10 +248,11 @@ def main(argv: list[str] | None = None) -> int:
                 run = {"rate": rate, "mode": mode, "summary": summarize(records)}
                 if mode == "spec":
                     after = servers[mode].metrics()
-                    run["tau"] = after.get("infer_spec_tau")
-                    run["speculated_share"] = after.get("infer_spec_speculated_share")
-                    run["verify_steps"] = after.get("infer_spec_verify_steps", 0) - before.get(
-                        "infer_spec_verify_steps", 0)
+                    verify = [m.get("infer_spec_verify_steps", 0.0) for m in (before, after)]
+                    emitted = [m.get("infer_spec_tau", 0.0) * v for m, v in zip((before, after), verify)]
+                    run["verify_steps"] = verify[1] - verify[0]
+                    run["tau"] = round((emitted[1] - emitted[0]) / run["verify_steps"], 4) if run["verify_steps"] else None
+                    run["speculated_share_cumulative"] = after.get("infer_spec_speculated_share")
                 results["runs"].append(run)
                 print(table({"runs": [run]}).splitlines()[1], file=sys.stderr, flush=True)
         if args.overhead:

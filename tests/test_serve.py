@@ -276,3 +276,18 @@ def test_a_request_the_engine_fails_on_fails_alone(servers):
     assert len(raised) >= 2  # in the batch, then again alone
     assert all_pages_free(served)
     assert client(url).completions.create(model=MODEL, prompt=PROMPTS[3], max_tokens=4).choices  # still serving
+
+
+def test_bench_serve_summary_shares_a_chunks_gap_among_its_tokens():
+    """A verify step's 3 tokens in one chunk 30 ms after the first: 3 inter-token latencies of 10 ms (the chunk gap
+    itself is 30 ms); tpot spreads the rest of the request over its tokens after the first."""
+    from infer.bench_serve import summarize  # noqa: PLC0415
+
+    spec = {"sent": 0.0, "ttft": 0.1, "end": 0.13, "tokens": 4, "arrivals": [(0.1, 1), (0.13, 4)]}
+    plain = {"sent": 0.0, "ttft": 0.1, "end": 0.16, "tokens": 4, "arrivals": [(0.1, 1), (0.12, 2), (0.14, 3),
+                                                                            (0.16, 4)]}
+    s = summarize([spec, {"error": "HTTP 400"}])
+    assert s["itl_ms"]["median"] == pytest.approx(10.0) and s["itl_chunk_ms"]["median"] == pytest.approx(30.0)
+    assert s["tpot_ms"]["median"] == pytest.approx(10.0) and s["ttft_ms"]["median"] == pytest.approx(100.0)
+    assert s["completed"] == 1 and s["errors"] == ["HTTP 400"] and s["tokens_per_s"] == pytest.approx(4 / 0.13, abs=0.01)
+    assert summarize([plain])["itl_ms"]["median"] == pytest.approx(20.0)  # control: one token a chunk
