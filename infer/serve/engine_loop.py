@@ -65,6 +65,8 @@ class LoopStats:
     prompt_tokens: int = 0
     generation_tokens: int = 0
     finished: dict[str, int] = field(default_factory=dict)  # finish reason (or "error") -> requests
+    steps: int = 0
+    step_s: float = 0.0  # seconds in Engine.step (the rest of the loop's time: inbox, publishing, idle)
     recent: deque = field(default_factory=lambda: deque(maxlen=4096))  # (time, tokens) per step
 
     def tokens_per_s(self, window_s: float = 10.0) -> float:
@@ -174,12 +176,15 @@ class EngineLoop:
         if self._suspects:  # readmit the requeued requests one at a time
             cleared = sum(1 for r in engine.running if r.request_id not in self._suspects)
             engine.scheduler.max_num_seqs = min(self._max_num_seqs, cleared + 1)
+        start = time.perf_counter()
         try:
             engine.step()
         except Exception as err:  # noqa: BLE001 - find whose request it was, keep serving the others
             self._after_failed_step(err)
         else:
             self._clear_suspects()
+        self.stats.steps += 1
+        self.stats.step_s += time.perf_counter() - start
         self._publish()
 
     def _after_failed_step(self, err: Exception) -> None:

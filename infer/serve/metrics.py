@@ -40,6 +40,8 @@ class EngineCollector(Collector):
                     stats.tokens_per_s())
         yield counter("prompt_tokens", "prompt tokens of queued requests", stats.prompt_tokens)
         yield counter("generation_tokens", "tokens generated", stats.generation_tokens)
+        yield counter("engine_steps", "engine steps run", stats.steps)
+        yield counter("engine_step_seconds", "seconds in engine steps", stats.step_s)
         finished = CounterMetricFamily(f"{PREFIX}_requests_finished", "requests that ended, by finish reason",
                                        labels=["model_name", "finish_reason"])
         for reason, count in sorted(dict(stats.finished).items()):
