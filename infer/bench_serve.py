@@ -251,7 +251,8 @@ def main(argv: list[str] | None = None) -> int:
                     verify = [m.get("infer_spec_verify_steps", 0.0) for m in (before, after)]
                     emitted = [m.get("infer_spec_tau", 0.0) * v for m, v in zip((before, after), verify)]
                     run["verify_steps"] = verify[1] - verify[0]
-                    run["tau"] = round((emitted[1] - emitted[0]) / run["verify_steps"], 4) if run["verify_steps"] else None
+                    run["tau"] = (round((emitted[1] - emitted[0]) / run["verify_steps"], 4)
+                                  if run["verify_steps"] else None)
                     run["speculated_share_cumulative"] = after.get("infer_spec_speculated_share")
                 results["runs"].append(run)
                 print(table({"runs": [run]}).splitlines()[1], file=sys.stderr, flush=True)

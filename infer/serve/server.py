@@ -37,7 +37,8 @@ from infer.serve.engine_loop import EngineLoop
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="python -m infer.serve", description=__doc__,
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--model", required=True, type=Path, help="Hugging Face model folder (config.json + safetensors)")
+    parser.add_argument("--model", required=True, type=Path,
+                        help="Hugging Face model folder (config.json + safetensors)")
     parser.add_argument("--served-model-name", default=None, help="the name clients pass as model (default: the "
                                                                   "folder's name)")
     parser.add_argument("--host", default="127.0.0.1", help="address to bind (default 127.0.0.1: this machine only)")
@@ -45,7 +46,8 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--max-num-seqs", type=int, default=64, help="most requests decoded together (default 64)")
     parser.add_argument("--max-waiting", type=int, default=256,
                         help="requests queued beyond the running batch; more get 429 with Retry-After (default 256)")
-    parser.add_argument("--tp", type=int, default=1, help="tensor-parallel ranks; run under torchrun --nproc_per_node TP")
+    parser.add_argument("--tp", type=int, default=1,
+                        help="tensor-parallel ranks; run under torchrun --nproc_per_node TP")
     parser.add_argument("--log-level", default="warning", choices=["debug", "info", "warning", "error"])
     add_engine_args(parser)
     add_spec_args(parser)
