@@ -111,8 +111,12 @@ def test_streamed_text_equals_the_whole_text(servers):
         assert streamed == client(spec_url).completions.create(**kwargs).choices[0].text
 
 
-def test_64_concurrent_streams_all_complete_and_free_every_page(servers):
+def test_64_concurrent_streams_all_complete_and_free_every_page(servers, stories_model, stories_tokenizer):
+    """On the MTP server, whose K changes with the batch (3 at 1, 2 at 2-7, plain from 8): the texts are the
+    plain engine's greedy ones."""
     served, url = servers["mtp"]
+    expected = [r.text for r in Engine(stories_model, stories_tokenizer, [2]).generate(
+        VALIDATION_PROMPTS[:32], SamplingParams(max_new_tokens=16))]
     busiest = []
 
     async def watch(done: asyncio.Event) -> None:
@@ -141,6 +145,7 @@ def test_64_concurrent_streams_all_complete_and_free_every_page(servers):
 
     results = asyncio.run(run())
     assert all(reason in ("stop", "length") and text for text, reason in results)
+    assert [text for text, _ in results] == [expected[i % 32] for i in range(64)]
     assert max(busiest) > 0  # control: the requests held pages while they ran
     assert all_pages_free(served)
 
