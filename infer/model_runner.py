@@ -61,6 +61,11 @@ class DecodeRuns:
         self._run, self.next_steps = None, min(2 * run.next, self.max_steps)
         return None
 
+    def reset(self) -> None:
+        """End the current run: its requests' pages changed under it (requeued, aborted), so the next step plans
+        anew even where the same requests come back at the lengths the run expects."""
+        self._run = None
+
     def fits(self, kv_lens: list[int]) -> bool:
         """Whether a new run may serve a batch of one-token rows with these kv lengths: runs of more than one step,
         up to DECODE_RUN_MAX_SEQS sequences, where the backend attends a run as it would attend each step

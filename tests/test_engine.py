@@ -447,3 +447,34 @@ def test_text_prompt_without_tokenizer_is_refused(stories_model):
         engine.add_request("Once upon a time")
     (request,) = engine.generate([[1]], SamplingParams(max_new_tokens=3))  # token ids still work
     assert len(request.output_ids) == 3 and request.text == ""
+
+
+def test_abort_frees_a_running_and_a_waiting_request_at_once_and_the_others_finish_as_alone(make_engine):
+    """A server's cancel: the aborted requests' pages come back before the next step; the rest are untouched."""
+    engine = make_engine(max_num_seqs=2)
+    alone = [run_alone(engine, p, greedy(12)).output_ids for p in PROMPTS[:2]]
+    keep, running, waiting = (engine.add_request(p, greedy(12)) for p in PROMPTS[:3])
+    for _ in range(3):
+        engine.step()
+    held = engine.pool.num_pages - engine.pool.num_free
+    assert running in engine.running and waiting in engine.waiting and running.page_table.pages
+    engine.abort(running)
+    engine.abort(waiting)
+    assert running.finish_reason == waiting.finish_reason == "abort"
+    assert engine.pool.num_pages - engine.pool.num_free == len(keep.page_table.pages) < held
+    run_to_completion(engine, [keep])
+    assert keep.output_ids == alone[0] and len(running.output_ids) < 12
+
+
+def test_requeue_running_recomputes_every_running_request_with_the_same_tokens(make_engine):
+    """A step that raised leaves its requests' state unknown: requeued, they are recomputed and end as alone."""
+    engine = make_engine()
+    alone = [run_alone(engine, p, greedy(16)).output_ids for p in PROMPTS[:3]]
+    requests = [engine.add_request(p, greedy(16)) for p in PROMPTS[:3]]
+    for _ in range(4):
+        engine.step()
+    assert engine.requeue_running() == requests
+    assert engine.pool.num_free == engine.pool.num_pages and list(engine.waiting) == requests
+    run_to_completion(engine, requests)
+    assert [r.output_ids for r in requests] == alone
+    assert all(r.num_preemptions == 1 for r in requests)

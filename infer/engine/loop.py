@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import time
 from collections import deque
-from collections.abc import Iterable, Sequence
+from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass, replace
 from pathlib import Path
 
@@ -69,6 +69,9 @@ class Engine:
         self.num_steps = 0
         self.drafter: Drafter | None = None
         self.num_draft_tokens = cfg.num_draft_tokens
+        # batch size -> K for a step of that many requests (0: plain decoding), capped at num_draft_tokens; None:
+        # always num_draft_tokens. A server sets it from the head's recommended K per batch size.
+        self.draft_k_for_batch: Callable[[int], int] | None = None
         self.spec_stats: SpecStats | None = None
 
     @property
@@ -143,13 +146,34 @@ class Engine:
     def add_request(self, prompt: str | Sequence[int], params: SamplingParams | None = None) -> Request:
         """Queue a prompt (text, or token ids); raises ValueError naming what is wrong with it."""
         params = params or SamplingParams()
-        params.validate(self.model.config.vocab_size)
         if isinstance(prompt, str):
             if self.tokenizer is None:
                 raise ValueError("this model folder has no tokenizer: pass token ids instead of text")
             prompt_text, prompt_ids = prompt, self.tokenizer.encode(prompt, verbose=False)
         else:
             prompt_text, prompt_ids = None, [int(t) for t in prompt]
+        self.check_request(prompt_ids, params)
+        stop_ids = frozenset() if params.ignore_eos else frozenset(
+            params.stop_token_ids if params.stop_token_ids is not None else self.eos_token_ids
+        )
+        request = Request(
+            request_id=self._next_id,
+            prompt_ids=prompt_ids,
+            params=params,
+            stop_ids=stop_ids,
+            generator=make_generator(params.seed, self.device),
+            page_table=PageTable(self.pool),
+            prompt=prompt_text,
+            spec_stats=SpecStats(self.num_draft_tokens) if self.drafter else None,
+        )
+        self._next_id += 1
+        self.scheduler.add(request)
+        return request
+
+    def check_request(self, prompt_ids: Sequence[int], params: SamplingParams) -> None:
+        """Raise ValueError naming what the engine cannot serve in a request; reads only the configuration, so a
+        server's handlers call it before queueing."""
+        params.validate(self.model.config.vocab_size)
         if not prompt_ids:
             raise ValueError("the prompt is empty")
         vocab = self.model.config.vocab_size
@@ -167,22 +191,27 @@ class Engine:
                 f"{pages_needed(longest, self.config.page_size)} KV pages; the cache has {self.pool.num_pages} "
                 f"of {self.config.page_size} tokens (raise num_pages or lower max_new_tokens)"
             )
-        stop_ids = frozenset() if params.ignore_eos else frozenset(
-            params.stop_token_ids if params.stop_token_ids is not None else self.eos_token_ids
-        )
-        request = Request(
-            request_id=self._next_id,
-            prompt_ids=prompt_ids,
-            params=params,
-            stop_ids=stop_ids,
-            generator=make_generator(params.seed, self.device),
-            page_table=PageTable(self.pool),
-            prompt=prompt_text,
-            spec_stats=SpecStats(self.num_draft_tokens) if self.drafter else None,
-        )
-        self._next_id += 1
-        self.scheduler.add(request)
-        return request
+
+    def abort(self, request: Request) -> None:
+        """Stop a request now, wherever it is (waiting or running): its pages and drafter state go at once, its
+        finish_reason becomes "abort". Between steps only; a finished request is left as it is."""
+        if request.finished:
+            return
+        self.scheduler.drop(request)
+        self.runner.decode_runs.reset()
+        self._forget(request)
+        request.finish_reason = "abort"
+        request.finish_time = time.perf_counter()
+
+    def requeue_running(self) -> list[Request]:
+        """Preempt every running request (pages freed, recomputed from the first token when readmitted): a step
+        that raised left their state unknown. Returns them, in running order, now first in the waiting queue."""
+        self.scheduler.remove_finished()  # a request may have finished in the step before it raised
+        running = list(self.running)
+        for request in reversed(running):
+            self.scheduler.requeue(request)
+        self.runner.decode_runs.reset()
+        return running
 
     def has_unfinished(self) -> bool:
         return self.scheduler.has_unfinished()
@@ -202,8 +231,8 @@ class Engine:
                 raise RuntimeError("no request fits in the KV cache; raise num_pages or lower max_num_seqs")
             return []
         self.num_steps += 1
-        drafter, k = self.drafter, self.num_draft_tokens
-        speculating = self.scheduler.speculating(scheduled, k) if drafter else []
+        drafter, k = self.drafter, self._step_k(len(scheduled))
+        speculating = self.scheduler.speculating(scheduled, k) if drafter and k else []
         chosen = {r.request_id for r in speculating}
         rows = PlainRows([(r, q) for r, q in scheduled if r.request_id not in chosen])
         if self.spec_stats is not None:
@@ -236,6 +265,12 @@ class Engine:
         if finished:
             self.scheduler.remove_finished()
         return finished
+
+    def _step_k(self, batch_size: int) -> int:
+        """K for a step of `batch_size` requests (0: decode it plainly)."""
+        if self.draft_k_for_batch is None:
+            return self.num_draft_tokens
+        return max(0, min(self.draft_k_for_batch(batch_size), self.num_draft_tokens))
 
     def _settle_speculation(self, requests: list[Request], emitted: list[list[int]], finished: list[Request]) -> None:
         """Append each request's emitted tokens and record acceptance; the rejected drafts' pages go back."""

@@ -85,10 +85,23 @@ class Scheduler:
         self.running = [r for r in self.running if not r.finished]
 
     def _preempt_newest(self) -> Request:
-        victim = self.running.pop()
-        victim.page_table.free()
-        victim.num_computed = 0
-        victim.num_preemptions += 1
-        self.on_preempt(victim)
-        self.waiting.appendleft(victim)
+        victim = self.running[-1]
+        self.requeue(victim)
         return victim
+
+    def requeue(self, request: Request) -> None:
+        """Preempt a running request: free its pages and queue it first, to be recomputed from its first token."""
+        self.running.remove(request)
+        request.page_table.free()
+        request.num_computed = 0
+        request.num_preemptions += 1
+        self.on_preempt(request)
+        self.waiting.appendleft(request)
+
+    def drop(self, request: Request) -> None:
+        """Take a request out of the queues wherever it is, its pages freed (an abort)."""
+        if request in self.waiting:
+            self.waiting.remove(request)
+        if request in self.running:
+            self.running.remove(request)
+        request.page_table.free()
