@@ -179,7 +179,8 @@ class Drafter:
         tokens, probs = [], []
         for j in range(k):
             if not sampling.all_greedy:
-                probs.append(target_probs(logits, sampling.temperature, sampling.top_k, sampling.top_p))
+                probs.append(target_probs(logits, sampling.temperature, sampling.top_k, sampling.top_p,
+                                          sampling.filtering))
             tokens.append(sample(logits, sampling, generators))
             if j == k - 1:
                 break
@@ -351,10 +352,26 @@ def speculative_decode(
         return greedy_verify(draft_ids, target_logits.argmax(-1))
     repeat = lambda t: t.repeat_interleave(k + 1)  # noqa: E731 - per request -> per verified position
     p = target_probs(target_logits.flatten(0, 1), repeat(sampling.temperature), repeat(sampling.top_k),
-                     repeat(sampling.top_p)).view(batch, k + 1, -1)  # [B, K+1, V]
+                     repeat(sampling.top_p), sampling.filtering).view(batch, k + 1, -1)  # [B, K+1, V]
     return rejection_sample(draft_ids, draft_probs, p, generators)
 
 
-def emitted_lists(emitted: Tensor) -> list[list[int]]:
-    """[B, K+1] emitted tokens, -1 padded -> each row's tokens on the host (the step's one read)."""
-    return [row[: row.index(-1)] if -1 in row else row for row in emitted.tolist()]
+def emitted_lists(emitted: Tensor | list[list[int]]) -> list[list[int]]:
+    """[B, K+1] emitted tokens, -1 padded -> each row's tokens on the host."""
+    rows = emitted.tolist() if isinstance(emitted, Tensor) else emitted
+    return [row[: row.index(-1)] if -1 in row else row for row in rows]
+
+
+def read_step_tokens(sampled: Tensor | None, emitted: Tensor | None) -> tuple[list[int], list[list[int]]]:
+    """A step's one host read: the plain rows' sampled tokens [S] and the verifies' emitted tokens [B, K+1] (-1
+    padded) come back in one copy -> (sampled ids, each verify's emitted ids)."""
+    parts = [t.flatten() for t in (sampled, emitted) if t is not None]
+    if not parts:
+        return [], []
+    flat = (parts[0] if len(parts) == 1 else torch.cat(parts)).tolist()
+    num_sampled = 0 if sampled is None else sampled.shape[0]
+    if emitted is None:
+        return flat, []
+    width = emitted.shape[1]
+    verified = flat[num_sampled:]
+    return flat[:num_sampled], emitted_lists([verified[i : i + width] for i in range(0, len(verified), width)])

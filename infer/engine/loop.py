@@ -26,7 +26,7 @@ from infer.model_runner import ModelRunner
 from infer.models.mtp_head import DRAFTER_KINDS, load_head
 from infer.sampler import SamplingTensors, make_generator, sample
 from infer.sampling_params import SamplingParams
-from infer.speculative import DRAFTERS, Drafter, SpecStats, emitted_lists, speculative_decode
+from infer.speculative import DRAFTERS, Drafter, SpecStats, read_step_tokens, speculative_decode
 
 
 @dataclass
@@ -227,12 +227,12 @@ class Engine:
             sampled = sample(forward.output.logits[: len(requests)], tensors, [r.generator for r in requests])
         if drafter is not None:
             drafter.propose(forward.target_rows(sampled, emitted, num_emitted))
-        finished = []
-        if sampled is not None:  # the host reads the step's tokens only now: the drafter is launched
-            finished = [r for (r, _), token in zip(rows.sampling, sampled.tolist()) if self.output.append(r, token)]
+        # the host reads the step's tokens only now, in one copy: the drafter is launched
+        sampled_ids, emitted_ids = read_step_tokens(sampled, emitted)
+        finished = [r for (r, _), token in zip(rows.sampling, sampled_ids) if self.output.append(r, token)]
         if speculating:
             self._record_spec_time(speculating, time.perf_counter() - start, drafter.seconds - drafter_s)
-            self._settle_speculation(speculating, emitted_lists(emitted), finished)
+            self._settle_speculation(speculating, emitted_ids, finished)
         if finished:
             self.scheduler.remove_finished()
         return finished
