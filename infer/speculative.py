@@ -47,6 +47,7 @@ from typing import Protocol
 import torch
 from torch import Tensor
 
+from infer.cuda_graphs import GraphSettings
 from infer.kv_cache import DecodeSteps, PageMetadata, PageTable, build_page_metadata
 from infer.model_runner import ModelRunner
 from infer.models.common import ModelOutput
@@ -157,8 +158,13 @@ class Drafter:
     one_layer = False
     target_aux_layers: tuple[int, ...] = ()  # intermediate layers the target's forwards must return for it
 
-    def __init__(self, model: torch.nn.Module, num_pages: int, page_size: int, backend: str) -> None:
-        self.runner = ModelRunner(model, num_pages, page_size, backend)
+    def __init__(self, model: torch.nn.Module, num_pages: int, page_size: int, backend: str,
+                 graphs: GraphSettings | None = None) -> None:
+        """graphs: how its forwards run from CUDA graphs (`infer.cuda_graphs`); None: eagerly."""
+        graphs = graphs or GraphSettings()
+        self.runner = ModelRunner(model, num_pages, page_size, backend, cuda_graphs=graphs.mode,
+                                  max_seqs=graphs.max_seqs, max_q_len=graphs.max_q_len,
+                                  max_model_len=graphs.max_model_len)
         self.page_size = page_size
         self.device = self.runner.device
         self.seconds = 0.0  # host time in propose and draft (on a GPU: launches)
@@ -209,8 +215,9 @@ class DraftModel(Drafter):
 
     kind = "draft"
 
-    def __init__(self, model: torch.nn.Module, num_pages: int, page_size: int, backend: str) -> None:
-        super().__init__(model, num_pages, page_size, backend)
+    def __init__(self, model: torch.nn.Module, num_pages: int, page_size: int, backend: str,
+                 graphs: GraphSettings | None = None) -> None:
+        super().__init__(model, num_pages, page_size, backend, graphs)
         self._written: dict[int, int] = {}  # request_id -> the end of the positions its cache was written up to
 
     def propose(self, rows: TargetRows) -> None:
@@ -262,8 +269,9 @@ class MTPDrafter(Drafter):
     needs_hidden_states = True
     one_layer = True
 
-    def __init__(self, model: torch.nn.Module, num_pages: int, page_size: int, backend: str) -> None:
-        super().__init__(model, num_pages, page_size, backend)
+    def __init__(self, model: torch.nn.Module, num_pages: int, page_size: int, backend: str,
+                 graphs: GraphSettings | None = None) -> None:
+        super().__init__(model, num_pages, page_size, backend, graphs)
         self._carries: dict[int, tuple[Carry, int]] = {}  # request_id -> (its catch-up's carries, its row there)
 
     def target_features(self, out: ModelOutput) -> Tensor:
@@ -279,7 +287,9 @@ class MTPDrafter(Drafter):
         meta.output_rows = rows.last_rows
         out = self._run(rows.next_token_ids, meta, rows.last_rows, self.target_features(rows.output))
         # the hidden states at the rows scored: the rows its backend computed alone, or every row's (FlashInfer)
-        hidden = out.hidden_states if self.runner.attn.output_rows is not None else out.hidden_states[rows.last_rows]
+        # (one row a request: those rows; every row: more, whenever a request has more than one row)
+        hidden = out.hidden_states if out.hidden_states.shape[0] == len(rows.requests) else out.hidden_states[
+            rows.last_rows]
         carry = Carry(out.logits, hidden)
         for row, request in enumerate(rows.requests):
             self._carries[request.request_id] = (carry, row)
@@ -318,8 +328,9 @@ class Eagle3Drafter(MTPDrafter):
 
     kind = "eagle3"
 
-    def __init__(self, model: torch.nn.Module, num_pages: int, page_size: int, backend: str) -> None:
-        super().__init__(model, num_pages, page_size, backend)
+    def __init__(self, model: torch.nn.Module, num_pages: int, page_size: int, backend: str,
+                 graphs: GraphSettings | None = None) -> None:
+        super().__init__(model, num_pages, page_size, backend, graphs)
         self.target_aux_layers = tuple(model.target_aux_layers)
 
     def target_features(self, out: ModelOutput) -> Tensor:

@@ -16,6 +16,7 @@ from pathlib import Path
 import torch
 from transformers import PreTrainedTokenizerBase
 
+from infer.cuda_graphs import GraphSettings
 from infer.engine.forward import PlainRows, TargetForward, decode_run_step
 from infer.engine.output import OutputProcessor
 from infer.engine.request import Request, per_prompt
@@ -39,6 +40,9 @@ class EngineConfig:
     backend: str = "auto"
     num_draft_tokens: int = 4  # K, when a drafter is attached
     decode_run_steps: int = 16  # plain decode steps whose metadata and attention plan are built at once (1: per step)
+    # "on": decode, verify and the drafter's uniform forwards replay CUDA graphs (off until the GPU check has passed
+    # on a device); "padded": the same padded static-buffer path run eagerly (CPU tests); "off" (`infer.cuda_graphs`)
+    cuda_graphs: str = "off"
 
 
 class Engine:
@@ -61,7 +65,10 @@ class Engine:
             raise ValueError("max_num_batched_tokens, max_num_seqs and decode_run_steps must be >= 1")
         num_pages = cfg.num_pages or self._default_num_pages(param.dtype)
         self.pool = PagePool(num_pages, cfg.page_size)
-        self.runner = ModelRunner(model, num_pages, cfg.page_size, cfg.backend, cfg.decode_run_steps)
+        self.graph_settings = GraphSettings(cfg.cuda_graphs, cfg.max_num_seqs, max(cfg.num_draft_tokens, 0) + 1,
+                                            self.max_model_len)
+        self.runner = ModelRunner(model, num_pages, cfg.page_size, cfg.backend, cfg.decode_run_steps,
+                                  cfg.cuda_graphs, cfg.max_num_seqs, self.graph_settings.max_q_len, self.max_model_len)
         self.scheduler = Scheduler(self.pool, cfg.max_num_seqs, cfg.max_num_batched_tokens, self.max_model_len,
                                    on_preempt=self._forget)
         self.output = OutputProcessor(tokenizer, self.max_model_len, on_finish=self._forget)
@@ -109,7 +116,8 @@ class Engine:
         if devices != {self.runner.device}:
             raise ValueError(f"the drafter's weights are on {', '.join(sorted(map(str, devices)))} and the target's on "
                              f"{self.runner.device}: move the drafter to the target's device first")
-        self.drafter = DRAFTERS[kind](model, self.pool.num_pages, self.config.page_size, self.config.backend)
+        self.drafter = DRAFTERS[kind](model, self.pool.num_pages, self.config.page_size, self.config.backend,
+                                      self.graph_settings)
         self.reset_spec_stats()
 
     @property
