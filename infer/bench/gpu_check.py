@@ -15,6 +15,10 @@
              1B-shaped model.
   spec       an untrained MTP head (init_head_from_target, K=2) against plain decoding: tokens/s and tau, on
              stories260K (torch backend: its head_dim 8 is below FlashInfer's) and on the 1B-shaped model.
+  graphs, spec-graphs
+             CUDA graphs on and off: decode as a share of the bandwidth limit on 1B- and 8B-shaped models, kernels,
+             host ms and host syncs a step, and speculation at a known acceptance (`infer.bench.graph_check`);
+             they run first.
 
 Each row prints as it lands (a run stopped by its timeout keeps the finished ones), then the table and its JSON.
 FlashInfer compiles its kernels on first use (about 2 minutes per head layout on 16 cores, then cached): every
@@ -39,6 +43,7 @@ from transformers import DeepseekV2Config, DeepseekV2ForCausalLM, LlamaConfig, L
 
 from infer.attention import AttentionBackend, FlashInferAttention, TorchAttention, flashinfer_available
 from infer.bench.cli import best_of, print_table, run_engine
+from infer.bench.graph_check import SHAPES, decode_graph_rows, spec_graph_rows
 from infer.bench.tp_report import LLAMA_3_2_1B, write_random_llama
 from infer.cli import CliError, run_cli
 from infer.engine import Engine, EngineConfig
@@ -110,7 +115,7 @@ def backend_parity(folder: Path, name: str, device: str, dtype: torch.dtype, bac
             "value": f"{rel:.2e}", "reference": f"argmax {agree:.3f}", "ratio": ""}
 
 
-CHECKS = ("attention", "parity", "decode", "spec")
+CHECKS = ("graphs", "spec-graphs", "attention", "parity", "decode", "spec")
 ATTENTION_SHAPES = {  # (heads, kv heads, head dim) or MLA's (heads, kv_lora_rank, rope dim)
     "gqa 32/8 x 64 (Llama-3.2-1B)": (32, 8, 64, False),
     "gqa 32/8 x 128 (Llama-3.1-8B)": (32, 8, 128, False),
@@ -281,6 +286,9 @@ def main(argv: list[str] | None = None) -> int:
             rows.append(row)
             print(f"row at {time.perf_counter() - start:.0f} s: {json.dumps(row)}", flush=True)
 
+    for name in SHAPES:
+        report("graphs", name, lambda: decode_graph_rows(name, "cuda", [1, 8, 32], args.max_new_tokens, args.repeats))
+    report("spec-graphs", "llama-3.2-1b-shaped", lambda: spec_graph_rows("cuda", args.max_new_tokens, args.repeats))
     with tempfile.TemporaryDirectory(prefix="gpu_check_") as tmp:
         folders = save_tiny_models(Path(tmp))
         big = Path(tmp, "llama-3.2-1b-shaped")
