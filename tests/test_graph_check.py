@@ -8,7 +8,9 @@ from __future__ import annotations
 import pytest
 import torch
 
-from infer.bench.graph_check import eagle3_head_for, oracle_speedup, random_model, weight_bytes
+from infer.bench.graph_check import (
+    decode_graph_rows, eagle3_head_for, oracle_speedup, random_model, same_tokens, step_cost_row, weight_bytes,
+)
 from infer.bench.oracle_drafter import attach_oracle
 from infer.engine import Engine, EngineConfig
 from infer.sampling_params import SamplingParams
@@ -46,3 +48,21 @@ def test_the_oracle_drafter_keeps_the_plain_tokens(stories_model):
     attach_oracle(spec, eagle3_head_for(stories_model, "stories260K", 256), {tuple(prompts[0]): plain[0]}, 0.8)
     assert [r.output_ids for r in spec.generate(prompts, params)] == plain
     assert 1.0 < spec.spec_stats.tau < 3.0
+
+
+def test_step_costs_run_on_a_cpu(stories_model):
+    """The step-cost row's CPU-runnable part (aten ops for kernels); a failing step becomes the row's error, not the
+    check's."""
+    config = EngineConfig(backend="torch", cuda_graphs="padded", num_pages=32)
+    row = step_cost_row(Engine(stories_model, None, [], config), "stories260K", "padded", steps=3)
+    assert "kernels" in row["value"] and "a layer" in row["value"] and "host" in row["reference"]
+    broken = Engine(stories_model, None, [], config)
+    broken.step = None
+    assert step_cost_row(broken, "stories260K", "padded", steps=3)["value"].startswith("error:")
+
+
+def test_decode_rows_run_on_a_cpu_and_compare_tokens():
+    rows = decode_graph_rows("tiny", "cpu", [1, 2], 6, 1, shape=TINY, cost_steps=2)
+    assert [r["setting"].split(",")[0] for r in rows] == ["step costs", "step costs", "decode batch 1", "decode batch 2"]
+    assert all("equal 2/2" in r["reference"] or "equal 1/1" in r["reference"] for r in rows[2:])  # padded == eager
+    assert same_tokens([[1, 2, 3], [4, 5]], [[1, 2, 4], [4, 5]]) == "equal 1/2, first differ at 2"  # the control
