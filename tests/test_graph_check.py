@@ -5,11 +5,14 @@ none gives tau 1 (the control), and the tokens stay the plain run's."""
 
 from __future__ import annotations
 
+import sys
+from pathlib import Path
+
 import pytest
 import torch
 
 from infer.bench.graph_check import (
-    decode_graph_rows, eagle3_head_for, oracle_speedup, random_model, same_tokens, step_cost_row, weight_bytes,
+    decode_graph_rows, graph_child_command, graph_rows_in_child, eagle3_head_for, oracle_speedup, random_model, same_tokens, step_cost_row, weight_bytes,
 )
 from infer.bench.oracle_drafter import attach_oracle
 from infer.engine import Engine, EngineConfig
@@ -66,3 +69,20 @@ def test_decode_rows_run_on_a_cpu_and_compare_tokens():
     assert [r["setting"].split(",")[0] for r in rows] == ["step costs", "step costs", "decode batch 1", "decode batch 2"]
     assert all("equal 2/2" in r["reference"] or "equal 1/1" in r["reference"] for r in rows[2:])  # padded == eager
     assert same_tokens([[1, 2, 3], [4, 5]], [[1, 2, 4], [4, 5]]) == "equal 1/2, first differ at 2"  # the control
+
+
+@pytest.mark.parametrize("case", ["fails", "overruns", "finishes"])
+def test_graph_rows_from_a_child_process(case):
+    """The GPU check runs its graph rows in a process of its own: its rows come through as they land, and a process
+    that fails or overruns ends in one error row (the caller goes on); one that finishes adds none."""
+    row = {"check": "graphs", "model": "m", "setting": "s", "value": "1 tok/s", "reference": "", "ratio": ""}
+    tail = {"fails": "sys.exit(2)", "overruns": "time.sleep(30)", "finishes": "pass"}[case]
+    script = f"import json, sys, time; print('row at 0 s: ' + json.dumps({row!r}), flush=True); {tail}"
+    rows = list(graph_rows_in_child([sys.executable, "-c", script], "graphs", timeout_s=1))
+    assert rows[0] == row
+    expected = {"fails": "code 2", "overruns": "overran 1 s", "finishes": None}[case]
+    if expected is None:
+        assert len(rows) == 1
+    else:
+        assert len(rows) == 2 and rows[1]["value"].startswith("error:") and expected in rows[1]["value"]
+    assert "--graphs-child" in graph_child_command(Path("s"), ["graphs"], 8, 1)

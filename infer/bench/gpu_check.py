@@ -43,7 +43,9 @@ from transformers import DeepseekV2Config, DeepseekV2ForCausalLM, LlamaConfig, L
 
 from infer.attention import AttentionBackend, FlashInferAttention, TorchAttention, flashinfer_available
 from infer.bench.cli import best_of, print_table, run_engine
-from infer.bench.graph_check import SHAPES, decode_graph_rows, spec_graph_rows
+from infer.bench.graph_check import (
+    SHAPES, decode_graph_rows, graph_child_command, graph_rows_in_child, spec_graph_rows,
+)
 from infer.bench.tp_report import LLAMA_3_2_1B, write_random_llama
 from infer.cli import CliError, run_cli
 from infer.engine import Engine, EngineConfig
@@ -256,6 +258,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--checks", default=",".join(CHECKS),
                         help=f"comma-separated checks to run (default all: {','.join(CHECKS)})")
     parser.add_argument("--warm", choices=list(ATTENTION_SHAPES), help=argparse.SUPPRESS)  # compile_kernels' workers
+    parser.add_argument("--graphs-child", action="store_true", help=argparse.SUPPRESS)  # graph_rows_in_child's
     args = parser.parse_args(argv)
     checks = args.checks.split(",")
     if unknown := sorted(set(checks) - set(CHECKS)):
@@ -273,8 +276,9 @@ def main(argv: list[str] | None = None) -> int:
 
     print(f"GPU: {torch.cuda.get_device_name()}, torch {torch.__version__}, flashinfer {flashinfer.__version__}",
           flush=True)
-    print(f"FlashInfer kernels compiled (or found cached) in {compile_kernels(list(ATTENTION_SHAPES)):.0f} s",
-          flush=True)
+    if not args.graphs_child:
+        print(f"FlashInfer kernels compiled (or found cached) in {compile_kernels(list(ATTENTION_SHAPES)):.0f} s",
+              flush=True)
     rows: list[dict] = []
     start = time.perf_counter()
 
@@ -286,9 +290,19 @@ def main(argv: list[str] | None = None) -> int:
             rows.append(row)
             print(f"row at {time.perf_counter() - start:.0f} s: {json.dumps(row)}", flush=True)
 
-    for name in SHAPES:
-        report("graphs", name, lambda: decode_graph_rows(name, "cuda", [1, 8, 32], args.max_new_tokens, args.repeats))
-    report("spec-graphs", "llama-3.2-1b-shaped", lambda: spec_graph_rows("cuda", args.max_new_tokens, args.repeats))
+    if args.graphs_child:  # the graph checks alone, in the process `graph_rows_in_child` started
+        for name in SHAPES:
+            report("graphs", name, lambda: decode_graph_rows(name, "cuda", [1, 8, 32], args.max_new_tokens,
+                                                             args.repeats))
+        report("spec-graphs", "llama-3.2-1b-shaped", lambda: spec_graph_rows("cuda", args.max_new_tokens,
+                                                                            args.repeats))
+        return 0
+    graph_checks = [c for c in ("graphs", "spec-graphs") if c in checks]
+    if graph_checks:  # first, in a process of their own: a CUDA error there cannot poison the other checks' context
+        command = graph_child_command(args.stories, graph_checks, args.max_new_tokens, args.repeats)
+        for row in graph_rows_in_child(command, graph_checks[0]):
+            rows.append(row)
+            print(f"row at {time.perf_counter() - start:.0f} s: {json.dumps(row)}", flush=True)
     with tempfile.TemporaryDirectory(prefix="gpu_check_") as tmp:
         folders = save_tiny_models(Path(tmp))
         big = Path(tmp, "llama-3.2-1b-shaped")

@@ -16,8 +16,14 @@ minutes to write and read).
 
 from __future__ import annotations
 
+import json
+import subprocess
+import sys
+import threading
 import time
 import warnings
+from collections.abc import Iterator
+from pathlib import Path
 
 import torch
 from transformers import LlamaConfig
@@ -234,3 +240,36 @@ def spec_graph_rows(device: str, new_tokens: int, repeats: int, name: str = "lla
                          "reference": f"plain {got['plain']:.1f} tok/s; achieved/ideal {speedup / got['tau']:.2f}",
                          "ratio": f"{speedup:.2f}"})
     return rows
+
+
+GRAPH_CHILD_TIMEOUT_S = 330  # the graph rows' share of the GPU check's 10 minutes
+
+
+def graph_child_command(stories: Path, checks: list[str], new_tokens: int, repeats: int) -> list[str]:
+    """The GPU check's graph rows alone (`python -m infer.bench.gpu_check --graphs-child`)."""
+    return [sys.executable, "-m", "infer.bench.gpu_check", "--stories", str(stories), "--checks", ",".join(checks),
+            "--max-new-tokens", str(new_tokens), "--repeats", str(repeats), "--graphs-child"]
+
+
+def graph_rows_in_child(command: list[str], check: str, timeout_s: float = GRAPH_CHILD_TIMEOUT_S) -> Iterator[dict]:
+    """The rows a process of its own prints ("row at N s: {json}"), as they land; a process that fails or overruns
+    (killed at timeout_s) ends in an error row, and the caller's checks go on."""
+    with subprocess.Popen(command, stdout=subprocess.PIPE, text=True) as proc:
+        watchdog = threading.Timer(timeout_s, proc.kill)
+        watchdog.start()
+        try:
+            for line in proc.stdout:
+                if line.startswith("row at "):
+                    yield json.loads(line.split(": ", 1)[1])
+            code = proc.wait()
+        finally:
+            overran = not watchdog.is_alive() and proc.returncode != 0
+            watchdog.cancel()
+            proc.kill()
+    if overran:
+        message = f"the graph checks overran {timeout_s:.0f} s and were stopped"
+    elif code != 0:
+        message = f"the graph checks' process ended with code {code} (its stderr is above)"
+    else:
+        return
+    yield {"check": check, "model": "", "setting": "", "value": f"error: {message}", "reference": "", "ratio": ""}
