@@ -213,5 +213,6 @@ def test_module_entry_point_in_a_subprocess(stories_hf_dir):
 def test_cuda_graphs_need_a_cuda_device(stories_hf_dir, capfd):
     code, _, err = cli(["--model", stories_hf_dir, "--prompt", "hi", "--device", "cpu", "--cuda-graphs"], capfd)
     assert_one_line_error(code, err, "--cuda-graphs", "cpu")
-    code, out, _ = cli(["--model", stories_hf_dir, "--prompt", "hi", "--max-new-tokens", "2", "--no-cuda-graphs"], capfd)
+    code, out, _ = cli(["--model", stories_hf_dir, "--prompt", "hi", "--max-new-tokens", "2", "--no-cuda-graphs"],
+                       capfd)
     assert code == 0 and out  # the control: off runs

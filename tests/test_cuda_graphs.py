@@ -48,8 +48,9 @@ class Recorder:
         graphs.run = recording_run
 
     def __call__(self, input_ids, positions, attn, kv_caches, logits_indices, **extra):
+        hidden = extra["hidden_states"].data_ptr() if "hidden_states" in extra else 0
         self.pointers.add((input_ids.data_ptr(), positions.data_ptr(), attn.block_table.data_ptr(),
-                           attn.k_rows.data_ptr(), extra["hidden_states"].data_ptr() if "hidden_states" in extra else 0))
+                           attn.k_rows.data_ptr(), hidden))
         return self.model(input_ids, positions, attn, kv_caches, logits_indices, **extra)
 
 
@@ -58,7 +59,8 @@ def runs(stories_model, stories_tokenizer, head):
     """(eager outputs, padded outputs, padded engine, recorders) of plain and speculative runs."""
     out = {}
     for drafter in (None, head):
-        eager = [r.output_ids for r in engine(stories_model, stories_tokenizer, "off", drafter).generate(PROMPTS, PARAMS)]
+        eager_engine = engine(stories_model, stories_tokenizer, "off", drafter)
+        eager = [r.output_ids for r in eager_engine.generate(PROMPTS, PARAMS)]
         padded = engine(stories_model, stories_tokenizer, "padded", drafter)
         recorders = [Recorder(padded.runner.graphs)] + ([Recorder(padded.drafter.runner.graphs)] if drafter else [])
         tokens = [r.output_ids for r in padded.generate(PROMPTS, PARAMS)]

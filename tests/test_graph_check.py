@@ -12,7 +12,8 @@ import pytest
 import torch
 
 from infer.bench.graph_check import (
-    decode_graph_rows, graph_child_command, graph_rows_in_child, eagle3_head_for, oracle_speedup, random_model, same_tokens, step_cost_row, weight_bytes,
+    decode_graph_rows, eagle3_head_for, graph_child_command, graph_rows_in_child, oracle_speedup, random_model,
+    same_tokens, step_cost_row, weight_bytes,
 )
 from infer.bench.oracle_drafter import attach_oracle
 from infer.engine import Engine, EngineConfig
@@ -66,7 +67,8 @@ def test_step_costs_run_on_a_cpu(stories_model):
 
 def test_decode_rows_run_on_a_cpu_and_compare_tokens():
     rows = decode_graph_rows("tiny", "cpu", [1, 2], 6, 1, shape=TINY, cost_steps=2)
-    assert [r["setting"].split(",")[0] for r in rows] == ["step costs", "step costs", "decode batch 1", "decode batch 2"]
+    settings = [r["setting"].split(",")[0] for r in rows]
+    assert settings == ["step costs", "step costs", "decode batch 1", "decode batch 2"]
     assert all("equal 2/2" in r["reference"] or "equal 1/1" in r["reference"] for r in rows[2:])  # padded == eager
     assert same_tokens([[1, 2, 3], [4, 5]], [[1, 2, 4], [4, 5]]) == "equal 1/2, first differ at 2"  # the control
 

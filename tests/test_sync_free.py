@@ -47,7 +47,8 @@ def test_verification_compiles_as_one_graph(batch):
     q = torch.softmax(torch.randn(4, k, vocab, generator=gen), -1)
     p = torch.softmax(torch.randn(4, k + 1, vocab, generator=gen), -1)
     uniforms = torch.rand(4, k, generator=gen)
-    for fn, args in ((rejection_accept, (drafts, q, p, uniforms, exponentials)), (greedy_verify, (drafts, p.argmax(-1)))):
+    cases = ((rejection_accept, (drafts, q, p, uniforms, exponentials)), (greedy_verify, (drafts, p.argmax(-1))))
+    for fn, args in cases:
         compiled, eager = fullgraph(fn)(*args), fn(*args)
         assert all(torch.equal(a, b) for a, b in zip(compiled, eager))
     # the control: a verifier that asks the host whether any draft matched before verifying

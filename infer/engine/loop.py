@@ -65,8 +65,8 @@ class Engine:
             raise ValueError("max_num_batched_tokens, max_num_seqs and decode_run_steps must be >= 1")
         num_pages = cfg.num_pages or self._default_num_pages(param.dtype)
         self.pool = PagePool(num_pages, cfg.page_size)
-        self.graph_settings = GraphSettings(cfg.cuda_graphs, cfg.max_num_seqs, max(cfg.num_draft_tokens, 0) + 1,
-                                            self.max_model_len)
+        # uniform forwards of up to a page of rows a request (K+1 verify rows for any K set later) replay graphs
+        self.graph_settings = GraphSettings(cfg.cuda_graphs, cfg.max_num_seqs, cfg.page_size, self.max_model_len)
         self.runner = ModelRunner(model, num_pages, cfg.page_size, cfg.backend, cfg.decode_run_steps,
                                   cfg.cuda_graphs, cfg.max_num_seqs, self.graph_settings.max_q_len, self.max_model_len)
         self.scheduler = Scheduler(self.pool, cfg.max_num_seqs, cfg.max_num_batched_tokens, self.max_model_len,
