@@ -127,9 +127,7 @@ class ModelRunner:
         key = self.graphs.key(meta, logits_indices, model_inputs) if self.graphs is not None else None
         if key is not None:
             out = self.graphs.run(key, input_ids, meta, logits_indices, model_inputs)
-            forget = getattr(self.attn, "forget", None)
-            if forget is not None:  # the eager backend's kept state (TorchAttention's mirror) missed these writes
-                forget()
+            self.attn.forget()  # the eager backend's kept state (TorchAttention's mirror) missed these writes
         else:
             out = self.forward(input_ids, meta, logits_indices, **model_inputs)
         self.forward_s += time.perf_counter() - start
