@@ -15,6 +15,7 @@ from functools import cached_property
 import torch
 from torch import Tensor
 
+from infer.device_copy import device_tensor
 from infer.sampling_params import SamplingParams
 
 
@@ -47,18 +48,17 @@ class SamplingTensors:
     @cached_property
     def temperature(self) -> Tensor:
         """[B] float32"""
-        return torch.tensor([1.0 if p.greedy else p.temperature for p in self.params], dtype=torch.float32,
-                            device=self.device)
+        return device_tensor([1.0 if p.greedy else p.temperature for p in self.params], self.device, torch.float32)
 
     @cached_property
     def top_k(self) -> Tensor:
         """[B] long, 0 = off"""
-        return torch.tensor([1 if p.greedy else max(p.top_k, 0) for p in self.params], device=self.device)
+        return device_tensor([1 if p.greedy else max(p.top_k, 0) for p in self.params], self.device)
 
     @cached_property
     def top_p(self) -> Tensor:
         """[B] float32, 1.0 = off"""
-        return torch.tensor([p.top_p for p in self.params], dtype=torch.float32, device=self.device)
+        return device_tensor([p.top_p for p in self.params], self.device, torch.float32)
 
     @cached_property
     def filtering(self) -> bool:
@@ -69,7 +69,7 @@ class SamplingTensors:
     @cached_property
     def greedy(self) -> Tensor:
         """[B] bool"""
-        return torch.tensor([p.greedy for p in self.params], dtype=torch.bool, device=self.device)
+        return device_tensor([p.greedy for p in self.params], self.device, torch.bool)
 
 
 def target_probs(logits: Tensor, temperature: Tensor, top_k: Tensor, top_p: Tensor,

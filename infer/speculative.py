@@ -48,6 +48,7 @@ import torch
 from torch import Tensor
 
 from infer.cuda_graphs import GraphSettings
+from infer.device_copy import device_tensor
 from infer.kv_cache import DecodeSteps, PageMetadata, PageTable, build_page_metadata
 from infer.model_runner import ModelRunner
 from infer.models.common import ModelOutput
@@ -251,12 +252,12 @@ class DraftModel(Drafter):
             self._written[request.request_id] = request.num_computed + k
         if starts == pending_at:  # one run of k forwards, the first over the pending tokens
             steps = DecodeSteps(pages, pending_at, k, self.page_size, self.device)
-            pending = torch.tensor([r.token_ids[-1] for r in requests], device=self.device)
+            pending = device_tensor([r.token_ids[-1] for r in requests], self.device)
             return self._run(pending, steps.step(0), None, None).logits, None, steps
         q_lens = [end + 1 - start for start, end in zip(starts, pending_at)]
         meta = build_page_metadata(pages, q_lens, [end + 1 for end in pending_at], self.page_size, self.device)
-        ids = torch.tensor([t for r, start in zip(requests, starts) for t in r.token_ids[start:]], device=self.device)
-        last_rows = torch.tensor(list(itertools.accumulate(q_lens)), device=self.device) - 1
+        ids = device_tensor([t for r, start in zip(requests, starts) for t in r.token_ids[start:]], self.device)
+        last_rows = device_tensor(list(itertools.accumulate(q_lens)), self.device) - 1
         steps = None if k == 1 else DecodeSteps(pages, [end + 1 for end in pending_at], k - 1, self.page_size,
                                                 self.device)
         return self._run(ids, meta, last_rows, None).logits, None, steps
@@ -313,7 +314,7 @@ class MTPDrafter(Drafter):
             if carry.logits.shape[0] == len(held) and all(row == b for b, (_, row) in enumerate(held)):
                 logits, hidden = carry.logits, carry.hidden  # [B, V], [B, H]
             else:
-                picked = torch.tensor([row for _, row in held], device=self.device)
+                picked = device_tensor([row for _, row in held], self.device)
                 logits, hidden = carry.logits[picked], carry.hidden[picked]
         else:
             logits = torch.stack([c.logits[row] for c, row in held])
@@ -357,7 +358,7 @@ def speculative_decode(
     batch = len(requests)
     draft_ids, draft_probs = drafter.draft(requests, k, sampling, generators)  # [B, K], [B, K, V] | None
     # Verify: the pending token and the K drafts, at positions num_computed .. num_computed + K.
-    pending = torch.tensor([r.token_ids[-1] for r in requests], device=draft_ids.device)[:, None]  # [B, 1]
+    pending = device_tensor([r.token_ids[-1] for r in requests], draft_ids.device)[:, None]  # [B, 1]
     target_logits = target_forward(torch.cat((pending, draft_ids), dim=1)).view(batch, k + 1, -1)  # [B, K+1, V]
     if draft_probs is None:
         return greedy_verify(draft_ids, target_logits.argmax(-1))

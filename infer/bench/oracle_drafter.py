@@ -14,6 +14,7 @@ from collections.abc import Sequence
 import torch
 from torch import Tensor
 
+from infer.device_copy import device_tensor
 from infer.engine import Engine
 from infer.models.head_base import DraftHead
 from infer.sampler import SamplingTensors
@@ -47,7 +48,7 @@ class OracleDrafter(Eagle3Drafter):
                 right = right and self.rng.random() < self.acceptance
                 row.append(token if right else (token + 1) % self.vocab_size)
             rows.append(row)
-        return torch.tensor(rows, device=self.device), None
+        return device_tensor(rows, self.device), None
 
 
 def attach_oracle(engine: Engine, head: DraftHead, continuations: dict[tuple[int, ...], list[int]],
