@@ -53,6 +53,9 @@ def add_engine_args(parser: argparse.ArgumentParser) -> None:
     group.add_argument("--decode-run-steps", type=int, default=EngineConfig.decode_run_steps,
                        help="plain decode steps of an unchanged batch whose page metadata and attention plan are "
                             f"built at once (1: every step alone; default {EngineConfig.decode_run_steps})")
+    group.add_argument("--cuda-graphs", action=argparse.BooleanOptionalAction, default=False,
+                       help="replay decode, verify and a head's forwards from CUDA graphs captured per padded batch "
+                            "size (CUDA only; default off until the GPU check has passed on a device)")
 
 
 def add_spec_args(parser: argparse.ArgumentParser) -> None:
@@ -102,7 +105,7 @@ def engine_kwargs(args: argparse.Namespace, max_num_seqs: int) -> dict:
         raise CliError(f"--batch-size must be >= 1, got {max_num_seqs}")
     return dict(page_size=args.page_size, num_pages=args.num_pages, max_num_seqs=max_num_seqs,
                 max_num_batched_tokens=args.max_num_batched_tokens, backend=args.attention_backend,
-                decode_run_steps=args.decode_run_steps)
+                decode_run_steps=args.decode_run_steps, cuda_graphs="on" if args.cuda_graphs else "off")
 
 
 def run_cli(main: Callable[[], int]) -> int:

@@ -14,6 +14,8 @@ from dataclasses import dataclass, field
 
 import torch
 
+from infer.device_copy import to_device
+
 
 class OutOfPages(RuntimeError):
     """The pool cannot satisfy an allocation; the scheduler preempts instead of crashing."""
@@ -196,7 +198,7 @@ def build_page_metadata(
     host = cut(flat32, flat64)
     if torch.device(device).type == "cpu":
         return host
-    meta = cut(flat32.to(device), flat64.to(device))  # two copies to the device
+    meta = cut(to_device(flat32, device), to_device(flat64, device))  # two copies to the device, async
     meta.host = host
     return meta
 
@@ -241,7 +243,7 @@ class DecodeSteps:
 
         self._host = cut(flat32, flat64)
         on_cpu = torch.device(device).type == "cpu"
-        self._fields = self._host if on_cpu else cut(flat32.to(device), flat64.to(device))  # two copies
+        self._fields = self._host if on_cpu else cut(to_device(flat32, device), to_device(flat64, device))
         pieces32, pieces64 = self._fields
         self.kv_lens = pieces32[1].view(num_steps, batch)  # [S, B]
         self.positions = pieces64[0].view(num_steps, batch)  # [S, B]

@@ -19,6 +19,7 @@ from dataclasses import dataclass
 import torch
 
 from infer.attention import AttentionBackend, FlashInferAttention, TorchAttention, resolve_backend_name
+from infer.cuda_graphs import GraphRunner, check_graph_mode
 from infer.kv_cache import DecodeSteps, PageMetadata
 from infer.models.common import ModelOutput
 from infer.parallel import broadcast_step, group_of, register_runner
@@ -84,19 +85,28 @@ class DecodeRuns:
 
 class ModelRunner:
     def __init__(self, model: torch.nn.Module, num_pages: int, page_size: int, backend: str = "auto",
-                 decode_run_steps: int = 16) -> None:
-        """decode_run_steps: the longest run of plain decode steps planned at once (`decode_runs`; 1: none)."""
+                 decode_run_steps: int = 16, cuda_graphs: str = "off", max_seqs: int = 64,
+                 max_q_len: int = 1, max_model_len: int | None = None) -> None:
+        """decode_run_steps: the longest run of plain decode steps planned at once (`decode_runs`; 1: none);
+        cuda_graphs: "on" replays uniform forwards of up to max_seqs requests of up to max_q_len rows from CUDA
+        graphs, "padded" runs the same padded static-buffer path eagerly (CPU tests), "off" (`infer.cuda_graphs`)."""
         self.model = model
         param = next(model.parameters())
         self.device, self.dtype = param.device, param.dtype
-        self.kv_caches = model.allocate_kv_cache(num_pages, page_size, self.dtype, self.device)  # KV in the model's dtype
+        check_graph_mode(cuda_graphs, self.device)
+        self.tp = group_of(model)
+        graphs = cuda_graphs != "off" and self.tp.size == 1 and model.attention_dims()["mla_dims"] is None
+        # with graphs, one page more than the pool hands out: the padded requests' dummy page
+        self.kv_caches = model.allocate_kv_cache(num_pages + graphs, page_size, self.dtype, self.device)
+        self.graphs = GraphRunner(model, self.kv_caches, page_size, num_pages, max_seqs, max_q_len,
+                                  max_model_len or model.config.max_position_embeddings,
+                                  cuda_graphs) if graphs else None
         self.backend_name = resolve_backend_name(backend, self.device)
         if self.backend_name == "flashinfer":
             self.attn = FlashInferAttention(dtype=self.dtype, device=self.device, **model.attention_dims())
         else:
             self.attn = TorchAttention()
         self.decode_runs = DecodeRuns(self.attn, decode_run_steps, page_size, self.device)
-        self.tp = group_of(model)
         self.runner_id = register_runner(self) if self.tp.size > 1 else None  # the same on every rank
         # seconds this rank has spent in `run` (a forward and its broadcast): on a CPU the forwards' time, on a GPU
         # only their launches (the kernels run on), so a step's host work is its time less this on a CPU alone
@@ -119,7 +129,12 @@ class ModelRunner:
         start = time.perf_counter()
         if self.runner_id is not None:
             broadcast_step(self.tp, self.runner_id, input_ids, meta, logits_indices, model_inputs)
-        out = self.forward(input_ids, meta, logits_indices, **model_inputs)
+        key = self.graphs.key(meta, logits_indices, model_inputs) if self.graphs is not None else None
+        if key is not None:
+            out = self.graphs.run(key, input_ids, meta, logits_indices, model_inputs)
+            self.attn.forget()  # the eager backend's kept state (TorchAttention's mirror) missed these writes
+        else:
+            out = self.forward(input_ids, meta, logits_indices, **model_inputs)
         self.forward_s += time.perf_counter() - start
         return out
 

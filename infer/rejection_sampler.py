@@ -58,7 +58,15 @@ def rejection_sample(
     for row, generator in zip(uniforms, generators):
         row.uniform_(generator=generator)
     exponentials = draw_exponentials(generators, target_probs.shape[-1], device)  # [B, V]
+    return rejection_accept(draft_token_ids, draft_probs, target_probs, uniforms, exponentials)
 
+
+def rejection_accept(draft_token_ids: Tensor, draft_probs: Tensor, target_probs: Tensor, uniforms: Tensor,
+                     exponentials: Tensor) -> tuple[Tensor, Tensor]:
+    """`rejection_sample` from drawn noise (uniforms [B, K], exponentials [B, V]): no host read, no data-dependent
+    shape, so a CUDA graph or torch.compile(fullgraph=True) can hold it."""
+    batch, k = draft_token_ids.shape
+    device = draft_token_ids.device
     p_draft = target_probs[:, :k].gather(-1, draft_token_ids[..., None]).squeeze(-1)  # [B, K] p_j(x_j)
     q_draft = draft_probs.gather(-1, draft_token_ids[..., None]).squeeze(-1)  # [B, K] q_j(x_j)
     accepted = uniforms * q_draft < p_draft  # u < p/q without dividing by q; a token with p = 0 is never accepted

@@ -15,6 +15,7 @@ from functools import cached_property
 import torch
 from torch import Tensor
 
+from infer.device_copy import device_tensor
 from infer.sampling_params import SamplingParams
 
 
@@ -47,26 +48,32 @@ class SamplingTensors:
     @cached_property
     def temperature(self) -> Tensor:
         """[B] float32"""
-        return torch.tensor([1.0 if p.greedy else p.temperature for p in self.params], dtype=torch.float32,
-                            device=self.device)
+        return device_tensor([1.0 if p.greedy else p.temperature for p in self.params], self.device, torch.float32)
 
     @cached_property
     def top_k(self) -> Tensor:
         """[B] long, 0 = off"""
-        return torch.tensor([1 if p.greedy else max(p.top_k, 0) for p in self.params], device=self.device)
+        return device_tensor([1 if p.greedy else max(p.top_k, 0) for p in self.params], self.device)
 
     @cached_property
     def top_p(self) -> Tensor:
         """[B] float32, 1.0 = off"""
-        return torch.tensor([p.top_p for p in self.params], dtype=torch.float32, device=self.device)
+        return device_tensor([p.top_p for p in self.params], self.device, torch.float32)
+
+    @cached_property
+    def filtering(self) -> bool:
+        """Whether any row filters by top-k or top-p (greedy rows do: top_k 1), known on the host so that
+        `target_probs` need not read the device to skip its sort."""
+        return any(p.greedy or p.top_k > 0 or p.top_p < 1.0 for p in self.params)
 
     @cached_property
     def greedy(self) -> Tensor:
         """[B] bool"""
-        return torch.tensor([p.greedy for p in self.params], dtype=torch.bool, device=self.device)
+        return device_tensor([p.greedy for p in self.params], self.device, torch.bool)
 
 
-def target_probs(logits: Tensor, temperature: Tensor, top_k: Tensor, top_p: Tensor) -> Tensor:
+def target_probs(logits: Tensor, temperature: Tensor, top_k: Tensor, top_p: Tensor,
+                 filtering: bool | None = None) -> Tensor:
     """softmax(logits / T), then top-k, then top-p, renormalised: [N, V] logits -> [N, V] float32 probabilities.
 
     Speculative decoding calls this for both the draft (q) and the target (p): the acceptance test is lossless only
@@ -75,10 +82,15 @@ def target_probs(logits: Tensor, temperature: Tensor, top_k: Tensor, top_p: Tens
     top-k keeps exactly k tokens, as torch.topk does; among logits tied at the k-th place the lower token id is kept
     (stable sort). top-p then keeps the smallest prefix of the sorted, top-k-renormalised distribution whose mass is
     >= top_p, which always includes the most likely token. top_k 0 and top_p 1.0 are exact no-ops.
+
+    filtering: whether any row filters (`SamplingTensors.filtering`, known on the host); None reads it from the
+    device, a host sync the engine's steps avoid by passing it.
     """
     scaled = logits.float() / temperature[:, None]
     k_active, p_active = top_k > 0, top_p < 1.0
-    if not bool((k_active | p_active).any()):  # skip the [N, V] sort when no row filters
+    if filtering is None:
+        filtering = bool((k_active | p_active).any())
+    if not filtering:  # skip the [N, V] sort when no row filters
         return torch.softmax(scaled, dim=-1)
 
     # Sort logits, not probabilities: distinct logits can round to equal probabilities and reorder the tie-break.
@@ -111,10 +123,19 @@ def draw_exponentials(generators: Sequence[torch.Generator], vocab_size: int, de
 
 
 def sample(logits: Tensor, st: SamplingTensors, generators: Sequence[torch.Generator]) -> Tensor:
-    """[B, V] logits -> [B] long token ids: argmax for greedy rows, a draw from target_probs for the others."""
-    argmax = logits.argmax(-1)
+    """[B, V] logits -> [B] long token ids: argmax for greedy rows, a draw from target_probs for the others.
+
+    The request generators' draws are launched first (one kernel per row: each seeded row draws from its own
+    generator alone), then `sample_with`, which reads nothing back to the host."""
     if st.all_greedy:
-        return argmax
-    probs = target_probs(logits, st.temperature, st.top_k, st.top_p)
-    sampled = exponential_race(probs, draw_exponentials(generators, logits.shape[-1], logits.device))
-    return torch.where(st.greedy, argmax, sampled)
+        return logits.argmax(-1)
+    exponentials = draw_exponentials(generators, logits.shape[-1], logits.device)
+    return sample_with(logits, st.greedy, st.temperature, st.top_k, st.top_p, exponentials, st.filtering)
+
+
+def sample_with(logits: Tensor, greedy: Tensor, temperature: Tensor, top_k: Tensor, top_p: Tensor,
+                exponentials: Tensor, filtering: bool) -> Tensor:
+    """`sample` from drawn Exp(1) noise [B, V]: gpt-fast's argmax(p / E), no host read and no data-dependent shape
+    (the part of a step a CUDA graph or torch.compile(fullgraph=True) can hold)."""
+    probs = target_probs(logits, temperature, top_k, top_p, filtering)
+    return torch.where(greedy, logits.argmax(-1), exponential_race(probs, exponentials))

@@ -47,6 +47,8 @@ from typing import Protocol
 import torch
 from torch import Tensor
 
+from infer.cuda_graphs import GraphSettings
+from infer.device_copy import device_tensor
 from infer.kv_cache import DecodeSteps, PageMetadata, PageTable, build_page_metadata
 from infer.model_runner import ModelRunner
 from infer.models.common import ModelOutput
@@ -157,8 +159,13 @@ class Drafter:
     one_layer = False
     target_aux_layers: tuple[int, ...] = ()  # intermediate layers the target's forwards must return for it
 
-    def __init__(self, model: torch.nn.Module, num_pages: int, page_size: int, backend: str) -> None:
-        self.runner = ModelRunner(model, num_pages, page_size, backend)
+    def __init__(self, model: torch.nn.Module, num_pages: int, page_size: int, backend: str,
+                 graphs: GraphSettings | None = None) -> None:
+        """graphs: how its forwards run from CUDA graphs (`infer.cuda_graphs`); None: eagerly."""
+        graphs = graphs or GraphSettings()
+        self.runner = ModelRunner(model, num_pages, page_size, backend, cuda_graphs=graphs.mode,
+                                  max_seqs=graphs.max_seqs, max_q_len=graphs.max_q_len,
+                                  max_model_len=graphs.max_model_len)
         self.page_size = page_size
         self.device = self.runner.device
         self.seconds = 0.0  # host time in propose and draft (on a GPU: launches)
@@ -179,7 +186,8 @@ class Drafter:
         tokens, probs = [], []
         for j in range(k):
             if not sampling.all_greedy:
-                probs.append(target_probs(logits, sampling.temperature, sampling.top_k, sampling.top_p))
+                probs.append(target_probs(logits, sampling.temperature, sampling.top_k, sampling.top_p,
+                                          sampling.filtering))
             tokens.append(sample(logits, sampling, generators))
             if j == k - 1:
                 break
@@ -208,8 +216,9 @@ class DraftModel(Drafter):
 
     kind = "draft"
 
-    def __init__(self, model: torch.nn.Module, num_pages: int, page_size: int, backend: str) -> None:
-        super().__init__(model, num_pages, page_size, backend)
+    def __init__(self, model: torch.nn.Module, num_pages: int, page_size: int, backend: str,
+                 graphs: GraphSettings | None = None) -> None:
+        super().__init__(model, num_pages, page_size, backend, graphs)
         self._written: dict[int, int] = {}  # request_id -> the end of the positions its cache was written up to
 
     def propose(self, rows: TargetRows) -> None:
@@ -243,12 +252,12 @@ class DraftModel(Drafter):
             self._written[request.request_id] = request.num_computed + k
         if starts == pending_at:  # one run of k forwards, the first over the pending tokens
             steps = DecodeSteps(pages, pending_at, k, self.page_size, self.device)
-            pending = torch.tensor([r.token_ids[-1] for r in requests], device=self.device)
+            pending = device_tensor([r.token_ids[-1] for r in requests], self.device)
             return self._run(pending, steps.step(0), None, None).logits, None, steps
         q_lens = [end + 1 - start for start, end in zip(starts, pending_at)]
         meta = build_page_metadata(pages, q_lens, [end + 1 for end in pending_at], self.page_size, self.device)
-        ids = torch.tensor([t for r, start in zip(requests, starts) for t in r.token_ids[start:]], device=self.device)
-        last_rows = torch.tensor(list(itertools.accumulate(q_lens)), device=self.device) - 1
+        ids = device_tensor([t for r, start in zip(requests, starts) for t in r.token_ids[start:]], self.device)
+        last_rows = device_tensor(list(itertools.accumulate(q_lens)), self.device) - 1
         steps = None if k == 1 else DecodeSteps(pages, [end + 1 for end in pending_at], k - 1, self.page_size,
                                                 self.device)
         return self._run(ids, meta, last_rows, None).logits, None, steps
@@ -261,8 +270,9 @@ class MTPDrafter(Drafter):
     needs_hidden_states = True
     one_layer = True
 
-    def __init__(self, model: torch.nn.Module, num_pages: int, page_size: int, backend: str) -> None:
-        super().__init__(model, num_pages, page_size, backend)
+    def __init__(self, model: torch.nn.Module, num_pages: int, page_size: int, backend: str,
+                 graphs: GraphSettings | None = None) -> None:
+        super().__init__(model, num_pages, page_size, backend, graphs)
         self._carries: dict[int, tuple[Carry, int]] = {}  # request_id -> (its catch-up's carries, its row there)
 
     def target_features(self, out: ModelOutput) -> Tensor:
@@ -278,7 +288,9 @@ class MTPDrafter(Drafter):
         meta.output_rows = rows.last_rows
         out = self._run(rows.next_token_ids, meta, rows.last_rows, self.target_features(rows.output))
         # the hidden states at the rows scored: the rows its backend computed alone, or every row's (FlashInfer)
-        hidden = out.hidden_states if self.runner.attn.output_rows is not None else out.hidden_states[rows.last_rows]
+        # (one row a request: those rows; every row: more, whenever a request has more than one row)
+        hidden = out.hidden_states if out.hidden_states.shape[0] == len(rows.requests) else out.hidden_states[
+            rows.last_rows]
         carry = Carry(out.logits, hidden)
         for row, request in enumerate(rows.requests):
             self._carries[request.request_id] = (carry, row)
@@ -302,7 +314,7 @@ class MTPDrafter(Drafter):
             if carry.logits.shape[0] == len(held) and all(row == b for b, (_, row) in enumerate(held)):
                 logits, hidden = carry.logits, carry.hidden  # [B, V], [B, H]
             else:
-                picked = torch.tensor([row for _, row in held], device=self.device)
+                picked = device_tensor([row for _, row in held], self.device)
                 logits, hidden = carry.logits[picked], carry.hidden[picked]
         else:
             logits = torch.stack([c.logits[row] for c, row in held])
@@ -317,8 +329,9 @@ class Eagle3Drafter(MTPDrafter):
 
     kind = "eagle3"
 
-    def __init__(self, model: torch.nn.Module, num_pages: int, page_size: int, backend: str) -> None:
-        super().__init__(model, num_pages, page_size, backend)
+    def __init__(self, model: torch.nn.Module, num_pages: int, page_size: int, backend: str,
+                 graphs: GraphSettings | None = None) -> None:
+        super().__init__(model, num_pages, page_size, backend, graphs)
         self.target_aux_layers = tuple(model.target_aux_layers)
 
     def target_features(self, out: ModelOutput) -> Tensor:
@@ -345,16 +358,32 @@ def speculative_decode(
     batch = len(requests)
     draft_ids, draft_probs = drafter.draft(requests, k, sampling, generators)  # [B, K], [B, K, V] | None
     # Verify: the pending token and the K drafts, at positions num_computed .. num_computed + K.
-    pending = torch.tensor([r.token_ids[-1] for r in requests], device=draft_ids.device)[:, None]  # [B, 1]
+    pending = device_tensor([r.token_ids[-1] for r in requests], draft_ids.device)[:, None]  # [B, 1]
     target_logits = target_forward(torch.cat((pending, draft_ids), dim=1)).view(batch, k + 1, -1)  # [B, K+1, V]
     if draft_probs is None:
         return greedy_verify(draft_ids, target_logits.argmax(-1))
     repeat = lambda t: t.repeat_interleave(k + 1)  # noqa: E731 - per request -> per verified position
     p = target_probs(target_logits.flatten(0, 1), repeat(sampling.temperature), repeat(sampling.top_k),
-                     repeat(sampling.top_p)).view(batch, k + 1, -1)  # [B, K+1, V]
+                     repeat(sampling.top_p), sampling.filtering).view(batch, k + 1, -1)  # [B, K+1, V]
     return rejection_sample(draft_ids, draft_probs, p, generators)
 
 
-def emitted_lists(emitted: Tensor) -> list[list[int]]:
-    """[B, K+1] emitted tokens, -1 padded -> each row's tokens on the host (the step's one read)."""
-    return [row[: row.index(-1)] if -1 in row else row for row in emitted.tolist()]
+def emitted_lists(emitted: Tensor | list[list[int]]) -> list[list[int]]:
+    """[B, K+1] emitted tokens, -1 padded -> each row's tokens on the host."""
+    rows = emitted.tolist() if isinstance(emitted, Tensor) else emitted
+    return [row[: row.index(-1)] if -1 in row else row for row in rows]
+
+
+def read_step_tokens(sampled: Tensor | None, emitted: Tensor | None) -> tuple[list[int], list[list[int]]]:
+    """A step's one host read: the plain rows' sampled tokens [S] and the verifies' emitted tokens [B, K+1] (-1
+    padded) come back in one copy -> (sampled ids, each verify's emitted ids)."""
+    parts = [t.flatten() for t in (sampled, emitted) if t is not None]
+    if not parts:
+        return [], []
+    flat = (parts[0] if len(parts) == 1 else torch.cat(parts)).tolist()
+    num_sampled = 0 if sampled is None else sampled.shape[0]
+    if emitted is None:
+        return flat, []
+    width = emitted.shape[1]
+    verified = flat[num_sampled:]
+    return flat[:num_sampled], emitted_lists([verified[i : i + width] for i in range(0, len(verified), width)])

@@ -208,3 +208,11 @@ def test_module_entry_point_in_a_subprocess(stories_hf_dir):
     (record,) = json_lines(result.stdout)
     assert set(record) == JSON_KEYS and record["num_new_tokens"] == 8
     assert REFERENCE_STORY.startswith("Once upon a time" + record["text"])
+
+
+def test_cuda_graphs_need_a_cuda_device(stories_hf_dir, capfd):
+    code, _, err = cli(["--model", stories_hf_dir, "--prompt", "hi", "--device", "cpu", "--cuda-graphs"], capfd)
+    assert_one_line_error(code, err, "--cuda-graphs", "cpu")
+    code, out, _ = cli(["--model", stories_hf_dir, "--prompt", "hi", "--max-new-tokens", "2", "--no-cuda-graphs"],
+                       capfd)
+    assert code == 0 and out  # the control: off runs

@@ -46,7 +46,7 @@ def test_the_drafter_gets_each_forwards_rows_once_before_the_host_reads_the_outc
         num_draft_tokens=3, backend="torch", page_size=8, num_pages=128, max_num_batched_tokens=24))
     engine.attach_drafter(drafter, stories_model if drafter == "draft" else untrained_head)
     events = []
-    run_target, propose, read = engine.runner.run, engine.drafter.propose, loop_module.emitted_lists
+    run_target, propose, read = engine.runner.run, engine.drafter.propose, loop_module.read_step_tokens
 
     def recording_run(input_ids, *args, **kwargs):
         events.append(("forward", input_ids.numel()))
@@ -61,7 +61,8 @@ def test_the_drafter_gets_each_forwards_rows_once_before_the_host_reads_the_outc
 
     engine.runner.run = recording_run
     engine.drafter.propose = recording_propose
-    monkeypatch.setattr(loop_module, "emitted_lists", lambda emitted: events.append(("read",)) or read(emitted))
+    monkeypatch.setattr(loop_module, "read_step_tokens",
+                        lambda sampled, emitted: events.append(("read",)) or read(sampled, emitted))
     run = drive(engine, prompts, params)
 
     assert engine.spec_stats.verify_steps > 10 and not run.violations

@@ -18,6 +18,10 @@ class AttentionBackend(Protocol):
 
     def plan(self, meta: PageMetadata) -> None: ...
 
+    def forget(self) -> None:
+        """Drop what it keeps between forwards: a forward it did not run (a CUDA graph's) wrote K/V since."""
+        ...
+
     def serves_decode_run(self, kv_lens: list[int]) -> bool:
         """Whether a decode run (`DecodeSteps`, planned once on its first step) over sequences of these kv lengths
         is attended as this backend would attend each of its steps alone."""

@@ -38,6 +38,9 @@ class FlashInferAttention:
         self._meta = meta
         self._planned_scale = None
 
+    def forget(self) -> None:
+        """Nothing kept between forwards: each reads the pages."""
+
     def serves_decode_run(self, kv_lens: list[int]) -> bool:
         return True  # each step is planned on its own metadata
 

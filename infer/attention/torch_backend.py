@@ -80,6 +80,12 @@ class TorchAttention:
             self.out_rows = torch.cat([g.out_rows for g in self.groups])  # where each group's outputs go
         self._mirror = None  # other sequences, or several groups: the next forward over one group gathers anew
 
+    def forget(self) -> None:
+        """Drop what it keeps between forwards (the mirror, the decode run's plan): a forward it did not run (a CUDA
+        graph's, `infer.cuda_graphs`) wrote K/V its mirror lacks."""
+        self._mirror = self._run = None
+        self._run_mirror = None
+
     def serves_decode_run(self, kv_lens: list[int]) -> bool:
         """A run attends as one group, keys padded to the run's longest: not where a step would split the batch
         by kv length (`kv_buckets`)."""

@@ -15,6 +15,10 @@
              1B-shaped model.
   spec       an untrained MTP head (init_head_from_target, K=2) against plain decoding: tokens/s and tau, on
              stories260K (torch backend: its head_dim 8 is below FlashInfer's) and on the 1B-shaped model.
+  graphs, spec-graphs
+             CUDA graphs on and off: decode as a share of the bandwidth limit on 1B- and 8B-shaped models, kernels,
+             host ms and host syncs a step, and speculation at a known acceptance (`infer.bench.graph_check`);
+             they run first.
 
 Each row prints as it lands (a run stopped by its timeout keeps the finished ones), then the table and its JSON.
 FlashInfer compiles its kernels on first use (about 2 minutes per head layout on 16 cores, then cached): every
@@ -39,6 +43,9 @@ from transformers import DeepseekV2Config, DeepseekV2ForCausalLM, LlamaConfig, L
 
 from infer.attention import AttentionBackend, FlashInferAttention, TorchAttention, flashinfer_available
 from infer.bench.cli import best_of, print_table, run_engine
+from infer.bench.graph_check import (
+    SHAPES, decode_graph_rows, graph_child_command, graph_rows_in_child, spec_graph_rows,
+)
 from infer.bench.tp_report import LLAMA_3_2_1B, write_random_llama
 from infer.cli import CliError, run_cli
 from infer.engine import Engine, EngineConfig
@@ -110,7 +117,7 @@ def backend_parity(folder: Path, name: str, device: str, dtype: torch.dtype, bac
             "value": f"{rel:.2e}", "reference": f"argmax {agree:.3f}", "ratio": ""}
 
 
-CHECKS = ("attention", "parity", "decode", "spec")
+CHECKS = ("graphs", "spec-graphs", "attention", "parity", "decode", "spec")
 ATTENTION_SHAPES = {  # (heads, kv heads, head dim) or MLA's (heads, kv_lora_rank, rope dim)
     "gqa 32/8 x 64 (Llama-3.2-1B)": (32, 8, 64, False),
     "gqa 32/8 x 128 (Llama-3.1-8B)": (32, 8, 128, False),
@@ -251,6 +258,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--checks", default=",".join(CHECKS),
                         help=f"comma-separated checks to run (default all: {','.join(CHECKS)})")
     parser.add_argument("--warm", choices=list(ATTENTION_SHAPES), help=argparse.SUPPRESS)  # compile_kernels' workers
+    parser.add_argument("--graphs-child", action="store_true", help=argparse.SUPPRESS)  # graph_rows_in_child's
     args = parser.parse_args(argv)
     checks = args.checks.split(",")
     if unknown := sorted(set(checks) - set(CHECKS)):
@@ -268,8 +276,9 @@ def main(argv: list[str] | None = None) -> int:
 
     print(f"GPU: {torch.cuda.get_device_name()}, torch {torch.__version__}, flashinfer {flashinfer.__version__}",
           flush=True)
-    print(f"FlashInfer kernels compiled (or found cached) in {compile_kernels(list(ATTENTION_SHAPES)):.0f} s",
-          flush=True)
+    if not args.graphs_child:
+        print(f"FlashInfer kernels compiled (or found cached) in {compile_kernels(list(ATTENTION_SHAPES)):.0f} s",
+              flush=True)
     rows: list[dict] = []
     start = time.perf_counter()
 
@@ -281,6 +290,19 @@ def main(argv: list[str] | None = None) -> int:
             rows.append(row)
             print(f"row at {time.perf_counter() - start:.0f} s: {json.dumps(row)}", flush=True)
 
+    if args.graphs_child:  # the graph checks alone, in the process `graph_rows_in_child` started
+        for name in SHAPES:
+            report("graphs", name, lambda: decode_graph_rows(name, "cuda", [1, 8, 32], args.max_new_tokens,
+                                                             args.repeats))
+        report("spec-graphs", "llama-3.2-1b-shaped", lambda: spec_graph_rows("cuda", args.max_new_tokens,
+                                                                            args.repeats))
+        return 0
+    graph_checks = [c for c in ("graphs", "spec-graphs") if c in checks]
+    if graph_checks:  # first, in a process of their own: a CUDA error there cannot poison the other checks' context
+        command = graph_child_command(args.stories, graph_checks, args.max_new_tokens, args.repeats)
+        for row in graph_rows_in_child(command, graph_checks[0]):
+            rows.append(row)
+            print(f"row at {time.perf_counter() - start:.0f} s: {json.dumps(row)}", flush=True)
     with tempfile.TemporaryDirectory(prefix="gpu_check_") as tmp:
         folders = save_tiny_models(Path(tmp))
         big = Path(tmp, "llama-3.2-1b-shaped")

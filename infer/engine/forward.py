@@ -12,6 +12,7 @@ from dataclasses import dataclass, field
 
 import torch
 
+from infer.device_copy import device_tensor
 from infer.engine.request import Request
 from infer.kv_cache import PageMetadata, PagePool, build_page_metadata
 from infer.model_runner import DecodeRuns, ModelRunner
@@ -99,9 +100,9 @@ class TargetForward:
         if not rows.num_tokens:
             ids = verify_ids.flatten()
         else:
-            ids = torch.tensor(rows.input_ids, dtype=torch.long, device=device)
+            ids = device_tensor(rows.input_ids, device, torch.long)
             if speculating or len(rows.sampling) < rows.num_tokens:
-                logits_rows = torch.tensor(rows.sample_rows, dtype=torch.long, device=device)
+                logits_rows = device_tensor(rows.sample_rows, device, torch.long)
             if speculating:
                 ids = torch.cat((ids, verify_ids.flatten()))
                 logits_rows = torch.cat((logits_rows, torch.arange(rows.num_tokens, ids.shape[0], device=device)))
@@ -117,7 +118,7 @@ class TargetForward:
         rows, device = self.rows, self.runner.device
         last_rows, next_ids = [], []
         if rows.scheduled:
-            last_rows.append(torch.tensor([first - 1 for first in rows.first_rows[1:]], device=device))
+            last_rows.append(device_tensor([first - 1 for first in rows.first_rows[1:]], device))
             next_ids.append(self._plain_next_ids(sampled))
         if self.speculating:
             width, first = self.k + 1, rows.num_tokens
@@ -137,9 +138,9 @@ class TargetForward:
         for (request, _), end in zip(rows.scheduled, rows.first_rows[1:]):
             if request.num_computed < request.num_tokens:  # a prompt chunk: its next token is known
                 following[end - 1] = request.token_ids[request.num_computed]
-        next_ids = torch.tensor(following, dtype=torch.long, device=self.runner.device)
+        next_ids = device_tensor(following, self.runner.device, torch.long)
         if sampled is not None:
-            next_ids[torch.tensor(rows.sample_rows, device=self.runner.device)] = sampled
+            next_ids[device_tensor(rows.sample_rows, self.runner.device)] = sampled
         return next_ids
 
 

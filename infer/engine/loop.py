@@ -16,6 +16,7 @@ from pathlib import Path
 import torch
 from transformers import PreTrainedTokenizerBase
 
+from infer.cuda_graphs import GraphSettings
 from infer.engine.forward import PlainRows, TargetForward, decode_run_step
 from infer.engine.output import OutputProcessor
 from infer.engine.request import Request, per_prompt
@@ -26,7 +27,7 @@ from infer.model_runner import ModelRunner
 from infer.models.mtp_head import DRAFTER_KINDS, load_head
 from infer.sampler import SamplingTensors, make_generator, sample
 from infer.sampling_params import SamplingParams
-from infer.speculative import DRAFTERS, Drafter, SpecStats, emitted_lists, speculative_decode
+from infer.speculative import DRAFTERS, Drafter, SpecStats, read_step_tokens, speculative_decode
 
 
 @dataclass
@@ -39,6 +40,9 @@ class EngineConfig:
     backend: str = "auto"
     num_draft_tokens: int = 4  # K, when a drafter is attached
     decode_run_steps: int = 16  # plain decode steps whose metadata and attention plan are built at once (1: per step)
+    # "on": decode, verify and the drafter's uniform forwards replay CUDA graphs (off until the GPU check has passed
+    # on a device); "padded": the same padded static-buffer path run eagerly (CPU tests); "off" (`infer.cuda_graphs`)
+    cuda_graphs: str = "off"
 
 
 class Engine:
@@ -61,7 +65,10 @@ class Engine:
             raise ValueError("max_num_batched_tokens, max_num_seqs and decode_run_steps must be >= 1")
         num_pages = cfg.num_pages or self._default_num_pages(param.dtype)
         self.pool = PagePool(num_pages, cfg.page_size)
-        self.runner = ModelRunner(model, num_pages, cfg.page_size, cfg.backend, cfg.decode_run_steps)
+        # uniform forwards of up to a page of rows a request (K+1 verify rows for any K set later) replay graphs
+        self.graph_settings = GraphSettings(cfg.cuda_graphs, cfg.max_num_seqs, cfg.page_size, self.max_model_len)
+        self.runner = ModelRunner(model, num_pages, cfg.page_size, cfg.backend, cfg.decode_run_steps,
+                                  cfg.cuda_graphs, cfg.max_num_seqs, self.graph_settings.max_q_len, self.max_model_len)
         self.scheduler = Scheduler(self.pool, cfg.max_num_seqs, cfg.max_num_batched_tokens, self.max_model_len,
                                    on_preempt=self._forget)
         self.output = OutputProcessor(tokenizer, self.max_model_len, on_finish=self._forget)
@@ -112,7 +119,8 @@ class Engine:
         if devices != {self.runner.device}:
             raise ValueError(f"the drafter's weights are on {', '.join(sorted(map(str, devices)))} and the target's on "
                              f"{self.runner.device}: move the drafter to the target's device first")
-        self.drafter = DRAFTERS[kind](model, self.pool.num_pages, self.config.page_size, self.config.backend)
+        self.drafter = DRAFTERS[kind](model, self.pool.num_pages, self.config.page_size, self.config.backend,
+                                      self.graph_settings)
         self.reset_spec_stats()
 
     @property
@@ -256,12 +264,12 @@ class Engine:
             sampled = sample(forward.output.logits[: len(requests)], tensors, [r.generator for r in requests])
         if drafter is not None:
             drafter.propose(forward.target_rows(sampled, emitted, num_emitted))
-        finished = []
-        if sampled is not None:  # the host reads the step's tokens only now: the drafter is launched
-            finished = [r for (r, _), token in zip(rows.sampling, sampled.tolist()) if self.output.append(r, token)]
+        # the host reads the step's tokens only now, in one copy: the drafter is launched
+        sampled_ids, emitted_ids = read_step_tokens(sampled, emitted)
+        finished = [r for (r, _), token in zip(rows.sampling, sampled_ids) if self.output.append(r, token)]
         if speculating:
             self._record_spec_time(speculating, time.perf_counter() - start, drafter.seconds - drafter_s)
-            self._settle_speculation(speculating, emitted_lists(emitted), finished)
+            self._settle_speculation(speculating, emitted_ids, finished)
         if finished:
             self.scheduler.remove_finished()
         return finished

@@ -12,6 +12,7 @@ from transformers import PretrainedConfig
 from transformers.modeling_rope_utils import ROPE_INIT_FUNCTIONS
 
 from infer.attention import cast
+from infer.models.fused_ops import fused_rms_norm
 
 
 @dataclass
@@ -84,6 +85,9 @@ class RMSNorm(nn.Module):
             if x.device.type == "cpu" and x.numel() <= SMALL_NORM_ELEMENTS:
                 return rms_norm_small(x, self.weight, self.eps)
             return F.rms_norm(x, self.weight.shape, self.weight, self.eps)
+        fused = fused_rms_norm(x, self.weight, self.eps)  # one kernel on CUDA (FlashInfer), else None
+        if fused is not None:
+            return fused
         x = x.float()
         x = x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + self.eps)
         return self.weight * x.to(dtype)

@@ -15,7 +15,6 @@ from __future__ import annotations
 from collections.abc import Sequence
 
 import torch
-import torch.nn.functional as F
 from torch import nn
 from transformers import LlamaConfig
 
@@ -23,6 +22,7 @@ from infer.attention import AttentionBackend
 from infer.models.common import (
     ModelOutput, RMSNorm, RotaryEmbedding, apply_rope_half, final_logits, keep_output_rows, run_decoder_layers,
 )
+from infer.models.fused_ops import silu_and_mul
 from infer.parallel import (
     TPGroup, check_split, column_linear, current, head_spans, lm_head_linear, row_linear, vocab_embedding,
 )
@@ -85,8 +85,7 @@ class LlamaMLP(nn.Module):
         self.down_proj = row_linear(intermediate_size, hidden_size, (lo, hi), bias, tp)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        gate, up = self.gate_up_proj(x).chunk(2, dim=-1)
-        return self.down_proj(F.silu(gate) * up)
+        return self.down_proj(silu_and_mul(self.gate_up_proj(x)))
 
 
 class LlamaDecoderLayer(nn.Module):
