@@ -4,7 +4,8 @@
 # tokens/s at batch 1, 8, 32 against transformers, and an MTP head's speculative decoding against plain decoding;
 # first, CUDA graphs on and off (decode on 1B- and 8B-shaped models as a share of the bandwidth limit, kernels, host
 # ms and syncs a step, and an EAGLE-3 oracle drafter at acceptance 0.8, K=2 and 4, batch 1 and 8).
-# Prints one table; without CUDA it stops at once with a one-line error.
+# Prints one table; without CUDA it stops at once with a one-line error. On the lent GPU machine, whose image lacks
+# FlashInfer, DeepSpeed and Hydra: `launch/gpu_wheels.sh` here first, then carry .whl (see that script).
 set -euo pipefail
 cd "$(dirname "$0")/.."
 ASSETS=${ASSETS:-../shared/assets}
