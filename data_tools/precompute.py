@@ -368,8 +368,6 @@ def run(cfg: DictConfig) -> dict | None:
             f"({stored['stored']:.1f} bytes/token on disk, minimum {stored['minimum']})")
         log(report.summary())
     _barrier(world)
-    if world > 1:
-        dist.destroy_process_group()
     return manifest
 
 
@@ -433,6 +431,8 @@ def main(argv: list[str] | None = None) -> int:
     if args.no_progress:
         cfg.precompute.progress = False
     run(cfg)
+    if dist.is_initialized():  # here, not in run: a caller in a training job keeps its process group
+        dist.destroy_process_group()
     return 0
 
 

@@ -102,8 +102,9 @@ class OnlineFeatures:
         return len(self.records[index])
 
     def __getitem__(self, index: int) -> dict:
-        if index not in self.cache:
+        if index not in self.cache:  # computed alone and not kept: a scan over many records holds one at a time
             self.compute([index])
+            return self.cache.pop(index)
         return self.cache[index]
 
     # --- computing --------------------------------------------------------------------------------------------
