@@ -111,16 +111,17 @@ ConfigStore.instance().store(name="train_schema", node=TrainConfig)
 def compose_training(overrides: list[str], complete: bool = True) -> DictConfig:
     """conf/config.yaml with overrides, typed and checked (ConfigError naming the key)."""
     cfg = compose("config", overrides, complete)
-    check_training(cfg)
+    check_training(cfg, complete)
     return cfg
 
 
-def check_training(cfg: DictConfig) -> None:
-    """The rules between fields that the schema's per-field ranges cannot state."""
+def check_training(cfg: DictConfig, complete: bool = True) -> None:
+    """The rules between fields that the schema's per-field ranges cannot state (complete=False: a config read for
+    its shapes, as memory_plan reads it, needs no features)."""
     if cfg.trainer.autocast and cfg.trainer.dtype != "float32":
         raise ConfigError("trainer.autocast runs the head's linear layers in bf16 over fp32 weights: it needs "
                           f"trainer.dtype=float32, got {cfg.trainer.dtype}")
-    if cfg.get("features", "offline") == "offline" and not cfg.get("features_dir"):
+    if complete and cfg.features == "offline" and not cfg.features_dir:
         raise ConfigError("features_dir is not set: give the output_dir of python -m data_tools.precompute, or train "
                           "with features=online (the target computes the features in the job)")
     if cfg.trainer.seq_len <= cfg.loss.unroll_steps:
