@@ -54,6 +54,9 @@ class TrainerConfig:
     collective_timeout_s: float = field(default=1800.0, metadata=at_least(1.0))
     progress: bool = True
     log_every: int = field(default=10, metadata=at_least(1))
+    # the step's split logged (target_s, head_s: forward and backward, optimizer_s), the device synchronised
+    # between the phases (on a GPU that costs the overlap of the host's launches with the kernels)
+    time_phases: bool = False
     pad_tokens_to: int = field(default=256, metadata=at_least(1))  # a micro batch's tokens: a multiple (data.pad_tokens)
 
 

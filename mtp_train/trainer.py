@@ -31,7 +31,7 @@ from mtp_train import checkpoint, distributed, draft_vocab
 from mtp_train.config import TrainConfig
 from mtp_train.data import FeatureError, MicroBatches, eval_batches, open_features, reaching_every_step, split_records
 from mtp_train.heads import build_head
-from mtp_train.metrics import Metrics
+from mtp_train.metrics import Metrics, PhaseTimer
 from mtp_train.online import OnlineError, OnlineFeatures, check_online, copy_group
 from mtp_train.target import TargetError, load_target
 from mtp_train.unroll import STATS, LossWeights, UnrolledHead, batch_plan, per_step_means, step_token_counts
@@ -182,17 +182,21 @@ class Trainer:
     def train_step(self) -> dict:
         accum = self.cfg.trainer.grad_accum
         start = time.perf_counter()
-        target_s = self.online.forward_s if self.online else 0.0
+        phases = PhaseTimer(self.device, self.cfg.trainer.time_phases)
         batches = [self.micro_batches(self.step * accum + a) for a in range(accum)]
-        target_s = self.online.forward_s - target_s if self.online else 0.0
+        phases.lap("data_s")  # online: the target's forwards (target_forward_s of them); offline: reading features
         plans = [batch_plan(b, self.num_steps) for b in batches]  # once per micro batch: counted, then unrolled
         norms = self.normalisers(batches, plans)
         totals = torch.zeros(self.num_steps, len(STATS), device=self.device)
         loss_sum = torch.zeros((), device=self.device)
         self.zero_head.train()
+        phases.lap("data_s")
         for batch, plan in zip(batches, plans):
             loss, stats = self.zero_head(batch.to(self.device, self.dtype), norms, plan)
-            self.zero_head.backward_and_step(loss)
+            self.zero_head.backward(loss)
+            phases.lap("head_s")
+            self.zero_head.step()
+            phases.lap("optimizer_s")
             loss_sum += loss.detach().float() / (self.world * accum)
             totals += stats
         self.step += 1
@@ -200,10 +204,12 @@ class Trainer:
         reduced = distributed.all_reduce_sum(torch.cat((loss_sum[None], tokens[None], totals.flatten())))
         counts = norms * self.world * accum
         record = {"split": "train", "step": self.step, "loss": reduced[0].item(), "lr": self.zero_head.lr,
-                  "grad_norm": self.zero_head.grad_norm, "tokens_per_s": reduced[1].item() / (time.perf_counter() - start),
+                  "grad_norm": self.zero_head.grad_norm, "tokens": reduced[1].item(),
+                  "tokens_per_s": reduced[1].item() / (time.perf_counter() - start),
                   "records": [r for b in batches for r in b.record_ids]}  # this rank's, for the data-order check
-        if self.online:  # this rank's seconds in the target's forwards, and its records computed so far
-            record.update(target_forward_s=target_s, target_records=self.online.records_computed)
+        if self.online:  # this rank's seconds in the target's forwards so far, and its records computed so far
+            record.update(target_forward_s=self.online.forward_s, target_records=self.online.records_computed)
+        record.update(phases.seconds)
         record.update(per_step_means(reduced[2:].view(self.num_steps, len(STATS)), counts))
         if self.cfg.loss.chain_share < 1 and self.num_steps > 1:  # the share drawn: step 1's positions over step 0's
             record["chain_share"] = float(counts[1] / counts[0].clamp(min=1))
@@ -314,6 +320,8 @@ class Trainer:
             "trainable_params": sum(p.numel() for g in param_groups(self.head, 0.0) for p in g["params"]),
             "frozen_shared_sha256_start": self.frozen_sha256, "frozen_shared_sha256_end": self.frozen_fingerprint(),
             "frozen_requires_grad": any(p.requires_grad for p in (shared.embed_tokens.weight, shared.lm_head.weight)),
+            # this rank's peak of device memory (a GPU's allocator; None on a CPU)
+            "peak_device_bytes": torch.cuda.max_memory_allocated(self.device) if self.device.type == "cuda" else None,
         }
         if self.rank == 0:
             (self.out_dir / "summary.json").write_text(json.dumps(summary, indent=2) + "\n")

@@ -32,6 +32,7 @@ TRAIN = ["trainer=zero2", "trainer.dtype=float32", f"trainer.max_steps={STEPS}",
          "trainer.seq_len=48", "trainer.grad_accum=1", "trainer.eval_every=0", "trainer.save_every=0",
          "trainer.progress=false", "eval_records=4", "loss.unroll_steps=2", "validate.enabled=false",
          "head.intermediate_size=null", "head.draft_vocab_tokens=2000"]
+TIMED: list[str] = []  # phase keys logged by runs without trainer.time_phases (there must be none)
 ONLINE = ["features=online", "online.dtype=float32", "online.max_records_per_batch=1"]
 
 
@@ -45,6 +46,7 @@ def train(run: Trainer, steps: int) -> tuple[list[float], list[torch.Tensor], li
     features = [torch.cat((b.hidden_states[:, None], b.aux_hidden_states), 1)
                 for b in (run.micro_batches(n) for n in range(FEATURE_BATCHES))]
     steps_run = [run.train_step() for _ in range(steps)]
+    TIMED.extend(k for r in steps_run for k in r if k in ("data_s", "head_s", "optimizer_s"))
     return [r["loss"] for r in steps_run], features, [r["records"] for r in steps_run]
 
 
@@ -61,15 +63,20 @@ def main() -> None:
                                                STEPS)
         online = trainer(out / f"online{t}", model, [*ONLINE, f"online.tp={t}"])
         online_loss, online_features, online_records = train(online, STEPS)
-        packed = trainer(out / f"packed{t}", model, [*ONLINE[:-1], f"online.tp={t}"])  # default packing
-        packed_loss, packed_features, _ = train(packed, 2)
+        packed = trainer(out / f"packed{t}", model, [*ONLINE[:-1], f"online.tp={t}", "trainer.time_phases=true"])
+        packed_features = train(packed, 0)[1]  # online's default packing
+        packed_steps = [packed.train_step() for _ in range(2)]
+        packed_loss = [r["loss"] for r in packed_steps]
         results[f"t{t}"] = {
             "offline": offline_loss, "online": online_loss, "packed": packed_loss,
             "bitwise": all(torch.equal(a, b) for a, b in zip(offline_features, online_features)),
             "packed_max_diff_over_range": max(float((a - b).abs().max() / (a.max() - a.min()))
                                               for a, b in zip(offline_features, packed_features)),
             "same_records": offline_records == online_records,
+            "phases": [{k: r[k] for k in ("data_s", "head_s", "optimizer_s", "tokens", "tokens_per_s")}
+                       for r in packed_steps],
         }
+    results["without_phases"] = sorted(set(TIMED))
     # resume: saved at RESUME_AT, a new Trainer (as after a kill) continues; the target runs the new micro batches only
     first = trainer(out / "resumed", model, [*ONLINE, "online.tp=2"])
     before = [first.train_step()["loss"] for _ in range(RESUME_AT)]

@@ -16,7 +16,8 @@ import torch
 from data_tools.config import ConfigError
 from mtp_train.config import compose_training
 from mtp_train.heads import build_head
-from mtp_train.online import check_online
+from data_tools.tokenize import TokenizedRecord
+from mtp_train.online import OnlineError, check_online, fits_target
 from mtp_train.target import load_target
 from tests.test_train_run import ROOT, _env
 
@@ -45,6 +46,24 @@ def test_online_trains_on_the_features_and_losses_of_precomputed_ones(parity, t)
     assert run["packed_max_diff_over_range"] <= 1e-5
     assert run["packed"] == pytest.approx(run["offline"][:2], rel=1e-5)
     assert parity["control_bf16"] != pytest.approx(parity["t1"]["online"][:3], rel=1e-6, abs=1e-6)
+
+
+def test_the_step_split_is_logged_when_asked(parity):
+    """trainer.time_phases: the target's forwards (data_s), the head's forward and backward, the optimizer, each
+    positive, their sum within the step's time; without it the keys are absent."""
+    for phases in parity["t1"]["phases"]:
+        parts = [phases[k] for k in ("data_s", "head_s", "optimizer_s")]
+        assert all(p > 0 for p in parts) and sum(parts) <= phases["tokens"] / phases["tokens_per_s"]
+    assert parity["without_phases"] == []
+
+
+def test_records_too_long_for_the_target_are_a_counted_skip_or_a_one_line_error(capsys):
+    records = [TokenizedRecord(f"r{n}", [1] * n, [1] * n) for n in (4, 9, 8)]
+    assert [r.source for r in fits_target(records, 8, "skip")] == ["r4", "r8"]
+    assert "skipped 1 of 3 records longer than the target's max_position_embeddings=8 (first: r9)" in capsys.readouterr().err
+    with pytest.raises(OnlineError, match="record r9 has 9 tokens, more than the target's max_position_embeddings=8"):
+        fits_target(records, 8, "fail")
+    assert fits_target(records, 9, "fail") == records  # the control: all fit
 
 
 def test_a_resumed_online_run_is_bitwise_and_skips_the_trained_micro_batches(parity):
