@@ -5,8 +5,9 @@ replicas, each rank 1/tp of the weights). Before a micro batch is collated, ever
 prefill-only forwards through `infer/` (data_tools.precompute's `FeatureExtractor`: whole records packed under a
 token budget, no decode, no chunked prefill, no prefix reuse) over the records of all its ranks' micro batches, in
 lockstep (no step broadcast: each rank knows the records), and keeps its own records' last-layer and aux-layer
-states in memory. The records are data_tools.precompute's, in its order, so record i online is record i of a
-precompute of the same data: the same split, the same micro batches (mtp_train.data), a pure function of the seed.
+states in memory, of each record's first trainer.seq_len tokens (all that training reads). The records are
+data_tools.precompute's, in its order, so record i online is record i of a precompute of the same data: the same
+split, the same micro batches (mtp_train.data), a pure function of the seed.
 A resumed run asks only for the micro batches it has yet to train, so the target never reruns the trained ones.
 The loss's next-token distribution comes from the last hidden state on the training rank (mtp_train.unroll), as
 offline: no full-vocabulary logits are gathered.
@@ -68,6 +69,7 @@ class OnlineFeatures:
                  progress: bool = False) -> None:
         o, model_dir = cfg.online, Path(cfg.model.path)
         self.group, self.aux_layers = group, list(aux_layers)
+        self.seq_len = cfg.trainer.seq_len  # a record's first seq_len tokens are all training reads (data.collate)
         tokenizer = AutoTokenizer.from_pretrained(model_dir)
         try:
             records, report = load_records(cfg.data, tokenizer, progress)
@@ -80,7 +82,7 @@ class OnlineFeatures:
             raise OnlineError(f"data: no record fits the target ({report.summary()})")
         with parallel.sharding_over(group):  # this rank's 1/tp of the target, in the forward's precision
             model = load_model(model_dir, dtype=DTYPES[o.model_dtype], device=device)
-            longest = max(len(r) for r in self.records)
+            longest = min(max(len(r) for r in self.records), self.seq_len)
             self.extractor = FeatureExtractor(model, DTYPES[o.dtype], sorted(set(aux_layers)),
                                               max(o.max_tokens_per_batch, longest), o.max_records_per_batch,
                                               o.page_size, o.attention_backend, lockstep=True)
@@ -120,12 +122,12 @@ class OnlineFeatures:
         """The states of records `ids` (sorted, the same list on every rank of the copy) into the cache."""
         start = time.perf_counter()
         records = [self.records[i] for i in ids]
-        lengths = [len(r) for r in records]
+        lengths = [min(len(r), self.seq_len) for r in records]  # the tokens training reads: no longer prefill
         out_dtype = self.extractor.out_dtype
         with parallel.sharding_over(self.group):
             for batch in self.extractor.batches(lengths):
                 try:
-                    states, aux = self.extractor.forward([records[j].input_ids for j in batch])
+                    states, aux = self.extractor.forward([records[j].input_ids[: lengths[j]] for j in batch])
                 except RuntimeError as err:  # noqa: PERF203 - a failed forward: name the record, one line
                     raise OnlineError(f"online: the target's forward failed on records "
                                       f"{[records[j].source for j in batch][:3]}: {parallel.one_line(err)}") from err
@@ -133,8 +135,8 @@ class OnlineFeatures:
                 for j in batch:
                     n, record = lengths[j], records[j]
                     # clone(): out of inference mode, so the states can enter the head's autograd graph
-                    item = {"input_ids": torch.tensor(record.input_ids, dtype=torch.long),
-                            "loss_mask": torch.tensor(record.loss_mask, dtype=torch.bool),
+                    item = {"input_ids": torch.tensor(record.input_ids[:n], dtype=torch.long),
+                            "loss_mask": torch.tensor(record.loss_mask[:n], dtype=torch.bool),
                             "hidden_states": states[row : row + n].to(out_dtype).clone(), "source": record.source}
                     if self.aux_layers:
                         item["aux_hidden_states"] = torch.stack(
