@@ -92,7 +92,8 @@ class OnlineFeatures:
         settings = {"dtype": o.dtype, "model_dtype": o.model_dtype, "tp": group.size, "aux_layers": sorted(aux_layers)}
         ident = {"model": model_identity(model_dir), "tokenizer": tokenizer_identity(model_dir, cfg.data, tokenizer)}
         self.identity = {"online": settings, "target": ident["model"],
-                         "tokenizer_sha256": hashlib.sha256(json.dumps(ident["tokenizer"], sort_keys=True).encode()).hexdigest(),
+                         "tokenizer_sha256": hashlib.sha256(json.dumps(ident["tokenizer"], sort_keys=True)
+                                                            .encode()).hexdigest(),
                          "num_records": len(self.records),
                          "records_sha256": shard_fingerprint("", self.records)}
 

@@ -128,7 +128,8 @@ class Trainer:
         kept = [reaching_every_step(dataset, ids, self.num_steps) for ids in (train_ids, eval_ids)]
         dropped = [len(ids) - len(k) for ids, k in zip((train_ids, eval_ids), kept)]
         if any(dropped) and self.rank == 0:
-            print(f"note: {dropped[0]} training and {dropped[1]} held-out records of {self.cfg.features_dir or 'the data'} have "
+            source = self.cfg.features_dir or "the data"
+            print(f"note: {dropped[0]} training and {dropped[1]} held-out records of {source} have "
                   f"fewer than loss.unroll_steps + 1 = {self.num_steps + 1} tokens: no position of theirs reaches "
                   "every unroll step, so they are left out", file=sys.stderr)
         if not kept[0]:

@@ -4,7 +4,8 @@ Both ranks, in one process group (gloo): precompute the records at tp=1 and tp=2
 record per forward), then for t in (1, 2) train features=offline on those shards and features=online with online.tp=t
 for STEPS steps each (Trainer.train_step), keeping every loss and the features of the first micro batches; then an
 online run saved at step RESUME_AT and resumed by a new Trainer; and a control run online whose features are rounded
-to bf16 (the comparison must see that); a resume with another target (refused, naming the key). Rank 0 writes OUT/results.json; tests/test_online.py asserts on it.
+to bf16 (the comparison must see that); a resume with another target (refused, naming the key). Rank 0 writes
+OUT/results.json; tests/test_online.py asserts on it.
 """
 
 from __future__ import annotations
@@ -65,8 +66,8 @@ def main() -> None:
             precompute.run(compose("precompute", [*DATA, f"model.path={model}", f"output_dir={features_dir}",
                                                   "precompute.dtype=float32", "precompute.max_records_per_batch=1",
                                                   f"precompute.tp={t}", "precompute.progress=false"]))
-        offline_loss, offline_features, offline_records = train(trainer(out / f"offline{t}", model, [f"features_dir={features_dir}"]),
-                                               STEPS)
+        offline = trainer(out / f"offline{t}", model, [f"features_dir={features_dir}"])
+        offline_loss, offline_features, offline_records = train(offline, STEPS)
         online = trainer(out / f"online{t}", model, [*ONLINE, f"online.tp={t}"])
         online_loss, online_features, online_records = train(online, STEPS)
         # online's default packing, records cut to 40 tokens (prefilled only that far): other shapes than offline's

@@ -8,7 +8,6 @@ from __future__ import annotations
 import json
 import subprocess
 import sys
-from pathlib import Path
 
 import pytest
 import torch
@@ -38,7 +37,8 @@ def parity(tmp_path_factory, stories_hf_dir) -> dict:
 def test_online_trains_on_the_features_and_losses_of_precomputed_ones(parity, t):
     """online.tp=t against precompute.tp=t shards of the same records, one record per forward on both sides: the same
     records per step and rank, features bitwise equal, the 20 losses equal within 1e-6; with online's default packing
-    and records prefilled only to a shorter trainer.seq_len the features stay within 1e-5 of their range. The control (features rounded to bf16) moves the losses."""
+    and records prefilled only to a shorter trainer.seq_len the features stay within 1e-5 of their range. The control
+    (features rounded to bf16) moves the losses."""
     run = parity[f"t{t}"]
     assert run["same_records"] and run["bitwise"]
     assert len(run["offline"]) == len(run["online"]) == STEPS
