@@ -3,6 +3,7 @@ bf16 target (random weights, stories260K's tokenizer) on one GPU under DeepSpeed
 features precomputed on the GPU first, for the ratio.
 
     python -m mtp_train.gpu_train_check --stories DIR [--steps 300] [--work DIR]
+    python -m mtp_train.gpu_train_check --stories DIR --target DIR --device cpu --steps 30   # the plumbing, on a CPU
 
 Per run: tokens/s over the steps after the first `--warmup`, the step's split (trainer.time_phases: the target's
 forwards or the feature reads, the head's forward and backward, the optimizer), the head's MFU (its model FLOPs
@@ -28,9 +29,12 @@ PEAK_BF16 = {"H200": 989e12, "H100": 989e12, "A100": 312e12, "L40S": 362e12}
 TOKENIZER = ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json")
 
 
-def common_overrides(model: Path, steps: int) -> list[str]:
-    return [f"model.path={model}", "model=llama3_2_1b", "head=eagle3", "data=sharegpt_dummy", "data.max_length=512",
-            "trainer.device=cuda", "trainer.dtype=bfloat16", f"trainer.max_steps={steps}", "trainer.micro_batch_size=4",
+def common_overrides(model: Path, steps: int, device: str, shaped: bool) -> list[str]:
+    """Both runs' settings: the 1B-shaped target's conf/model (its recipe) unless another target is given."""
+    dtype = "bfloat16" if device == "cuda" else "float32"
+    return [f"model.path={model}", *(["model=llama3_2_1b"] if shaped else []), "head=eagle3", "data=sharegpt_dummy",
+            "data.max_length=512", f"trainer.device={device}", f"trainer.dtype={dtype}", f"online.model_dtype={dtype}",
+            f"online.dtype={dtype}", f"trainer.max_steps={steps}", "trainer.micro_batch_size=4",
             "trainer.seq_len=512", "trainer.grad_accum=1", "trainer.eval_every=0", "trainer.save_every=0",
             "trainer.progress=false", "trainer.time_phases=true", "eval_records=8", "validate.enabled=false",
             "head.draft_vocab_tokens=100000"]
@@ -80,39 +84,46 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--warmup", type=int, default=20, help="steps left out of the figures (default 20)")
     parser.add_argument("--work", type=Path, default=None, help="scratch folder (default: a temporary one)")
     parser.add_argument("--timeout", type=float, default=240, help="seconds per stage (default 240)")
+    parser.add_argument("--target", type=Path, default=None,
+                        help="train for this HF folder instead of the Llama-3.2-1B-shaped one (a smoke run)")
+    parser.add_argument("--device", choices=("cuda", "cpu"), default="cuda", help="cpu: a smoke run of the plumbing")
     args = parser.parse_args(argv)
     import torch  # noqa: PLC0415 - after the arguments: --help needs no CUDA
     from transformers import LlamaConfig  # noqa: PLC0415
 
     from infer.bench.tp_report import LLAMA_3_2_1B, write_random_llama  # noqa: PLC0415
 
-    if not torch.cuda.is_available():
+    if args.device == "cuda" and not torch.cuda.is_available():
         raise SystemExit("error: mtp_train.gpu_train_check needs a CUDA GPU and torch.cuda.is_available() is False here")
-    name = torch.cuda.get_device_name()
+    name = torch.cuda.get_device_name() if args.device == "cuda" else "CPU"
     peak = next((v for k, v in PEAK_BF16.items() if k in name), None)
     work = args.work or Path(tempfile.mkdtemp(prefix="gpu-train-check-"))
-    model = work / "llama-3.2-1b-shaped"
-    if not (model / "config.json").is_file():
+    model = args.target or work / "llama-3.2-1b-shaped"
+    if args.target is None and not (model / "config.json").is_file():
         write_random_llama(model, LlamaConfig(**LLAMA_3_2_1B))
         for file in TOKENIZER:
             shutil.copy(args.stories / file, model / file)
-    os.environ.pop("DS_ACCELERATOR", None)
-    common = common_overrides(model, args.steps)
-    run = {"hidden": LLAMA_3_2_1B["hidden_size"], "unroll_steps": 4}
+    if args.device == "cuda":
+        os.environ.pop("DS_ACCELERATOR", None)
+    common = common_overrides(model, args.steps, args.device, args.target is None)
+    dtype = "bfloat16" if args.device == "cuda" else "float32"  # the target's and the features' on both sides
+    config = json.loads((model / "config.json").read_text())
+    run = {"hidden": config["hidden_size"], "unroll_steps": 4}
 
     online, online_summary, online_s = train("online", work, [*common, "features=online"], args.timeout)
-    run["draft_vocab"] = (online_summary["draft_vocab"] or {}).get("size", LLAMA_3_2_1B["vocab_size"])
+    run["draft_vocab"] = (online_summary["draft_vocab"] or {}).get("size", config["vocab_size"])
     flops = head_flops_per_token(online_summary, run)
     start = time.monotonic()
     subprocess.run([sys.executable, "-m", "data_tools.precompute", f"output_dir={work / 'features'}",
-                    *[o for o in common if o.startswith(("model", "head=", "data"))], "precompute.device=cuda",
-                    "precompute.model_dtype=bfloat16", "precompute.dtype=bfloat16", "precompute.overwrite=true",
+                    *[o for o in common if o.startswith(("model", "head=", "data"))], f"precompute.device={args.device}",
+                    f"precompute.model_dtype={dtype}", f"precompute.dtype={dtype}", "precompute.overwrite=true",
                     "--no-progress"], check=True, capture_output=True, timeout=args.timeout)
     precompute_s = time.monotonic() - start
     offline, offline_summary, offline_s = train("offline", work, [*common, f"features_dir={work / 'features'}"],
                                                 args.timeout)
     m_on, m_off = measure(online, args.warmup), measure(offline, args.warmup)
-    label = f"EAGLE-3 head, Llama-3.2-1B-shaped bf16 target, {name}, {args.steps} steps x 4 x 512 tokens"
+    shape = "Llama-3.2-1B-shaped bf16" if args.target is None else model.name
+    label = f"EAGLE-3 head, {shape} target, {name}, {args.steps} steps x 4 x 512 tokens"
     print(row(f"{label}, online", m_on, flops, peak, online_summary["peak_device_bytes"],
               f"; run {online_s:.0f} s"))
     print(row(f"{label}, precomputed features", m_off, flops, peak, offline_summary["peak_device_bytes"],
