@@ -208,8 +208,11 @@ class FeatureExtractor:
     """Runs packed, unpadded batches of records through `infer/` and gathers per-token features."""
 
     def __init__(self, model: torch.nn.Module, out_dtype: torch.dtype, aux_layers: list[int], max_tokens: int,
-                 max_records: int, page_size: int = 16, backend: str = "auto") -> None:
+                 max_records: int, page_size: int = 16, backend: str = "auto", lockstep: bool = False) -> None:
         self.model = model
+        # lockstep: every rank of a tensor-parallel group calls forward with the same records (online training),
+        # so each runs its shard directly; else rank 0 broadcasts each step to the others' serve_forever
+        self.lockstep = lockstep
         self.out_dtype = out_dtype
         self.aux_layers = list(aux_layers)
         self.max_tokens, self.max_records = max_tokens, max_records
@@ -236,7 +239,11 @@ class FeatureExtractor:
             meta = build_page_metadata([t.pages for t in tables], lengths, lengths, self.page_size, self.device)
             ids = torch.tensor([t for tokens in token_lists for t in tokens], dtype=torch.long, device=self.device)
             no_logits = torch.empty(0, dtype=torch.long, device=self.device)
-            out = self.runner.run(ids, meta, no_logits, aux_layers=self.aux_layers)
+            if self.lockstep:
+                with torch.inference_mode():
+                    out = self.runner.forward(ids, meta, no_logits, aux_layers=self.aux_layers)
+            else:
+                out = self.runner.run(ids, meta, no_logits, aux_layers=self.aux_layers)
         finally:
             for table in tables:
                 table.free()
@@ -361,8 +368,6 @@ def run(cfg: DictConfig) -> dict | None:
             f"({stored['stored']:.1f} bytes/token on disk, minimum {stored['minimum']})")
         log(report.summary())
     _barrier(world)
-    if world > 1:
-        dist.destroy_process_group()
     return manifest
 
 
@@ -426,6 +431,8 @@ def main(argv: list[str] | None = None) -> int:
     if args.no_progress:
         cfg.precompute.progress = False
     run(cfg)
+    if dist.is_initialized():  # here, not in run: a caller in a training job keeps its process group
+        dist.destroy_process_group()
     return 0
 
 

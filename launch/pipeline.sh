@@ -16,6 +16,8 @@
 #   6. export each head in the runtime format (EAGLE-3 also as eagle3 and speculators), with its recommended K;
 #   7. print the heads' figures side by side.
 # HEADS="mtp eagle3 eagle1" adds the EAGLE-1 ablation on the same features.
+# ONLINE=1: no precompute stage and no feature files: each training rank's copy of the target computes its micro
+# batches' features in the training job (features=online, mtp_train.online), the same records as step 3 would store.
 #
 #   launch/pipeline.sh                          # defaults below; every variable can be overridden
 #   STEPS=400 STORIES=1500 launch/pipeline.sh   # a quicker run
@@ -40,6 +42,8 @@ NPROC=${NPROC:-}               # torchrun processes per head (default: on a CPU,
 K=${K:-4}                      # draft tokens per step when validating
 THREADS=${THREADS:-1}          # torch threads per process: tiny models run best on one
 AUTOCAST=${AUTOCAST:-auto}     # heads' linear layers in bf16 (trainer.autocast): auto = where bf16 matmuls are native
+ONLINE=${ONLINE:-0}            # 1: features computed in the training job (features=online), nothing precomputed
+case "$ONLINE" in 0|1) ;; *) echo "pipeline: ONLINE=$ONLINE; use ONLINE=0 (precomputed features) or ONLINE=1" >&2; exit 2 ;; esac
 CHAIN_SHARE=${CHAIN_SHARE:-1}  # loss.chain_share: 0.5 unrolls steps 1-3 over half the anchors, for less training time
 export OMP_NUM_THREADS=$THREADS
 for head in $HEADS; do  # before the stages that take minutes
@@ -108,10 +112,15 @@ precompute=(python -m data_tools.precompute)
 if [ "$workers" -gt 1 ]; then
   precompute=(python -m torch.distributed.run --standalone --nproc_per_node "$workers" -m data_tools.precompute)
 fi
-stamp "precompute features ($workers process(es))"
-"${precompute[@]}" output_dir="$OUT/features" model.path="$MODEL" data=stories260k \
-  "data.paths=[$DATA_T1,$DATA_T07]" precompute.dtype=float32 head=eagle3 precompute.overwrite=true \
-  precompute.records_per_shard=$(( (STORIES + 2 * workers - 1) / (2 * workers) ))
+if [ "$ONLINE" = 1 ]; then  # the trainer reads the conversations and runs the target itself
+  features=(features=online online.dtype=float32 "data.paths=[$DATA_T1,$DATA_T07]")
+else
+  stamp "precompute features ($workers process(es))"
+  "${precompute[@]}" output_dir="$OUT/features" model.path="$MODEL" data=stories260k \
+    "data.paths=[$DATA_T1,$DATA_T07]" precompute.dtype=float32 head=eagle3 precompute.overwrite=true \
+    precompute.records_per_shard=$(( (STORIES + 2 * workers - 1) / (2 * workers) ))
+  features=(features_dir="$OUT/features")
+fi
 
 # Each head: trained, validated in infer/ (speculative decoding on 64 held-out story openings x 128 tokens), exported
 # in the runtime's format with its recommended K per batch size. The default MTP / EAGLE-1 heads read the target's
@@ -122,7 +131,7 @@ build_head() {
   local head=$1 run=$OUT/run-$1
   local formats=(runtime)
   stamp "train the $head head ($NPROC process(es) x $MICRO records a step; log: $OUT/run-$head.log)" >&3
-  NPROC_PER_NODE=$NPROC launch/train.sh model.path="$MODEL" features_dir="$OUT/features" data=stories260k \
+  NPROC_PER_NODE=$NPROC launch/train.sh model.path="$MODEL" "${features[@]}" data=stories260k \
     head="$head" output_dir="$run" trainer.dtype=float32 trainer.autocast="$AUTOCAST" trainer.progress=false \
     trainer.eval_every=0 trainer.micro_batch_size="$MICRO" trainer.grad_accum=1 validate.enabled=false \
     loss.chain_share="$CHAIN_SHARE" "${steps[@]}"
@@ -186,10 +195,10 @@ if [ "${#failed[@]}" -gt 0 ]; then
 fi
 
 stamp "done"
-python - "$OUT" $HEADS <<'EOF'
+python - "$OUT" "$ONLINE" $HEADS <<'EOF'
 import json, sys
 from pathlib import Path
-out, heads = Path(sys.argv[1]), sys.argv[2:]
+out, online, heads = Path(sys.argv[1]), sys.argv[2] == "1", sys.argv[3:]
 print("conditional acceptance at draft position k (accepted / reached, +- SE); trainer: its conditional top-1 at the "
       "runtime's verify steps of the same greedy text")
 print(f"{'head':>7} {'T':>3} {'tau':>6} {'speedup':>8}  {'acceptance per position':<44} trainer")
@@ -206,5 +215,12 @@ for head in heads:
     if vocab:
         print(f"{'':>7} draft vocabulary {vocab['size']}: held-out target mass covered by probability "
               f"{vocab['mass_probability_eval']:.4f}, by frequency {vocab['mass_frequency_eval']:.4f}")
-print(f"artifacts: {out}/ (stories260K/, data/, features/, " + ", ".join(f"run-{h}/" for h in heads) + ")")
+if online:
+    print("features: online (computed in each training job; no feature files written)")
+else:
+    manifest = json.loads((out / "features" / "manifest.json").read_text())
+    print(f"features: precomputed, {manifest['num_bytes'] / 1e9:.2f} GB in {out}/features "
+          f"({manifest['bytes_per_token']['stored']:.0f} bytes a token)")
+stored = "" if online else "features/, "
+print(f"artifacts: {out}/ (stories260K/, data/, {stored}" + ", ".join(f"run-{h}/" for h in heads) + ")")
 EOF

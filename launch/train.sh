@@ -9,6 +9,8 @@
 #
 #   launch/train.sh model=llama3_1_8b model.path=/models/Llama-3.1-8B-Instruct features_dir=/data/feat-8b
 #   NPROC_PER_NODE=2 launch/train.sh features_dir=DIR trainer.dtype=float32 trainer.autocast=true  # CPU: gloo, 2 processes
+#   launch/train.sh model=llama3_2_1b model.path=DIR features=online   # no feature store: the target runs in the job
+#   NPROC_PER_NODE=8 launch/train.sh model=llama3_1_70b model.path=DIR features=online online.tp=4  # 2 copies x 4 GPUs
 #   # many nodes: run on every node with the same MASTER_ADDR (node 0's address) and its own NODE_RANK
 #   NNODES=4 NODE_RANK=$i MASTER_ADDR=node0 launch/train.sh model=llama3_1_70b trainer=zero3 ...
 #   # elastic rendezvous instead of fixed node ranks: RDZV=c10d (NODE_RANK is then assigned by torchrun)

@@ -11,7 +11,7 @@ from typing import Optional
 from hydra.core.config_store import ConfigStore
 from omegaconf import MISSING, DictConfig
 
-from data_tools.config import ConfigError, DataConfig, HeadConfig, ModelConfig, at_least, compose, one_of
+from data_tools.config import DTYPE_NAMES, ConfigError, DataConfig, HeadConfig, ModelConfig, at_least, compose, one_of
 
 
 @dataclass
@@ -54,6 +54,9 @@ class TrainerConfig:
     collective_timeout_s: float = field(default=1800.0, metadata=at_least(1.0))
     progress: bool = True
     log_every: int = field(default=10, metadata=at_least(1))
+    # the step's split logged (target_s, head_s: forward and backward, optimizer_s), the device synchronised
+    # between the phases (on a GPU that costs the overlap of the host's launches with the kernels)
+    time_phases: bool = False
     pad_tokens_to: int = field(default=256, metadata=at_least(1))  # a micro batch's tokens: a multiple (data.pad_tokens)
 
 
@@ -70,6 +73,18 @@ class ValidateConfig:
 
 
 @dataclass
+class OnlineConfig:
+    """features=online: the target computes each micro batch's features inside the job (mtp_train.online)."""
+    tp: int = field(default=1, metadata=at_least(1, max=64))  # ranks per copy of the target; W / tp copies
+    dtype: str = field(default="bfloat16", metadata=one_of(*DTYPE_NAMES))  # features rounded as precompute stores them
+    model_dtype: str = field(default="float32", metadata=one_of(*DTYPE_NAMES))  # the target's forward
+    max_tokens_per_batch: int = field(default=8192, metadata=at_least(1))  # one packed prefill (a longer record alone)
+    max_records_per_batch: int = field(default=256, metadata=at_least(1))
+    attention_backend: str = field(default="auto", metadata=one_of("auto", "torch", "flashinfer"))
+    page_size: int = field(default=16, metadata=at_least(1))
+
+
+@dataclass
 class WandbConfig:
     mode: str = field(default="disabled", metadata=one_of("disabled", "offline", "online"))
     project: str = "mtp-heads"
@@ -82,7 +97,9 @@ class TrainConfig:
     head: HeadConfig = field(default_factory=HeadConfig)
     trainer: TrainerConfig = field(default_factory=TrainerConfig)
     data: DataConfig = field(default_factory=DataConfig)
-    features_dir: str = MISSING
+    features: str = field(default="offline", metadata=one_of("offline", "online"))  # online: no feature store
+    features_dir: Optional[str] = None  # features=offline: output_dir of data_tools.precompute
+    online: OnlineConfig = field(default_factory=OnlineConfig)
     output_dir: str = MISSING
     eval_records: int = field(default=16, metadata=at_least(0))
     seed: int = 0
@@ -97,15 +114,19 @@ ConfigStore.instance().store(name="train_schema", node=TrainConfig)
 def compose_training(overrides: list[str], complete: bool = True) -> DictConfig:
     """conf/config.yaml with overrides, typed and checked (ConfigError naming the key)."""
     cfg = compose("config", overrides, complete)
-    check_training(cfg)
+    check_training(cfg, complete)
     return cfg
 
 
-def check_training(cfg: DictConfig) -> None:
-    """The rules between fields that the schema's per-field ranges cannot state."""
+def check_training(cfg: DictConfig, complete: bool = True) -> None:
+    """The rules between fields that the schema's per-field ranges cannot state (complete=False: a config read for
+    its shapes, as memory_plan reads it, needs no features)."""
     if cfg.trainer.autocast and cfg.trainer.dtype != "float32":
         raise ConfigError("trainer.autocast runs the head's linear layers in bf16 over fp32 weights: it needs "
                           f"trainer.dtype=float32, got {cfg.trainer.dtype}")
+    if complete and cfg.features == "offline" and not cfg.features_dir:
+        raise ConfigError("features_dir is not set: give the output_dir of python -m data_tools.precompute, or train "
+                          "with features=online (the target computes the features in the job)")
     if cfg.trainer.seq_len <= cfg.loss.unroll_steps:
         raise ConfigError(f"trainer.seq_len={cfg.trainer.seq_len} cuts every record shorter than loss.unroll_steps + 1 = "
                           f"{cfg.loss.unroll_steps + 1} tokens: no position would reach the last unroll step")

@@ -218,7 +218,11 @@ class MicroBatches:
         size = self.micro_batch_size
         shares = [[self.indices[i] for i in order[j * size : (j + 1) * size]] for order in self._orders]
         tokens = lambda i: min(self.dataset.num_tokens(i), self.seq_len)  # noqa: E731 - as collate cuts them
-        mine = deal_by_tokens(shares, tokens)[self.rank] if len(shares) > 1 else shares[0]
+        dealt = deal_by_tokens(shares, tokens) if len(shares) > 1 else shares
+        prepare = getattr(self.dataset, "prepare", None)  # features=online: the target computes the ranks' records
+        if prepare is not None:
+            prepare(dealt)
+        mine = dealt[self.rank]
         batch = collate(self.dataset, mine, self.seq_len, self.pad_to)
         return draw_chain_windows(batch, self.chain_share, random.Random(f"{self.seed}:{n}:{self.rank}"),
                                   self.num_steps)

@@ -202,7 +202,13 @@ class ZeroHead:
 
     def backward_and_step(self, loss: torch.Tensor) -> None:
         """DeepSpeed scales by 1 / grad_accum and steps the optimizer at each accumulation boundary."""
+        self.backward(loss)
+        self.step()
+
+    def backward(self, loss: torch.Tensor) -> None:
         self._engine.backward(loss)
+
+    def step(self) -> None:
         self._engine.step()
 
     @property

@@ -29,6 +29,11 @@ fragmentation), the target served in bf16 (--serve-dtype), counted from the shar
     kv pages (the target in the plain and speculative engines, the head's, the served engine's 8 pages; prompts of
     --prompt-tokens), activations (the loss recomputation: target and head logits, their fp32 log-softmaxes and p
     over prompt + max_new_tokens positions, and its attention scores)
+  online training (features=online; GPUs / T copies of the target, mtp_train.online)
+    head ZeRO share (training's weights, gradients, optimizer state, frozen tensors), target shard, kv pages (one
+    capture batch: pages for online.max_tokens_per_batch + online.max_records_per_batch), the forward's activations
+    (as precompute's) or training's activations + loss chunk + target distribution, whichever is larger, and the
+    features of the copy's T ranks' micro batches (T x micro batch x seq_len x hidden x (1 + aux layers))
   peak in training       training's weights, gradients, optimizer state and frozen tensors, plus the larger of
                          training's activations + loss chunk and validation (the allocator reuses freed memory)
 """
@@ -192,6 +197,23 @@ def precompute_terms(cfg: DictConfig, pc: DictConfig, tp: int, dtype: torch.dtyp
     }
 
 
+def online_terms(cfg: DictConfig, tp: int) -> dict[str, float]:
+    """features=online (mtp_train.online): this rank's shard of the target, the KV pool of one capture batch (the
+    extractor's pages for online.max_tokens_per_batch), the forward's activations over that batch, and the states
+    kept for the micro batches of the copy's tp ranks (every rank of a copy holds them all)."""
+    o, t = cfg.online, cfg.trainer
+    served, dtype = Served.build(cfg, tp), DTYPES[cfg.online.model_dtype]
+    hidden, tokens = served.config.hidden_size, o.max_tokens_per_batch
+    pages = pages_needed(tokens, o.page_size) + o.max_records_per_batch  # data_tools.precompute.FeatureExtractor's pool
+    layers = 1 + len(served.head.target_aux_layers)
+    return {
+        "target_shard": served.target_params * dtype.itemsize,
+        "kv_pages": pages * o.page_size * served.target.kv_bytes_per_token(dtype),
+        "forward_activations": tokens * (served.forward_elements_per_token() + hidden * layers) * dtype.itemsize,
+        "features": tp * t.micro_batch_size * t.seq_len * hidden * layers * DTYPES[o.dtype].itemsize,
+    }
+
+
 def validation_terms(cfg: DictConfig, tp: int, dtype: torch.dtype, prompt_tokens: int) -> dict[str, float]:
     v = cfg.validate
     served = Served.build(cfg, tp)
@@ -244,12 +266,24 @@ def tp_plan(cfg: DictConfig, gpus: int = 8, gpu_bytes: float = 80 * GIB, serve_d
         peak = sum(state.values()) + max(transient, sum(terms.values()))
         return StagePlan("validation in training", tp, {"training_state": sum(state.values()), **terms}, peak, budget)
 
+    def online_at(tp: int) -> StagePlan:  # the forward's activations and training's are never live together
+        terms = online_terms(cfg, tp)
+        peak = (sum(state.values()) + terms["target_shard"] + terms["kv_pages"] + terms["features"]
+                + max(terms["forward_activations"], transient + training["target_distribution"]))
+        return StagePlan(f"online training ({gpus // tp} copies)", tp,
+                         {"head_zero_share": sum(state.values()), **terms,
+                          "training_activations": transient + training["target_distribution"]}, peak, budget)
+
     plans = {"precompute": smallest_fitting("precompute", degrees, budget, precompute_at),
+             "online": smallest_fitting("online training", degrees, budget, online_at),
              "validation": smallest_fitting("validation in training", degrees, budget, validation_at)}
     configured = int(cfg.validate.tp)
     if configured != plans["validation"].tp:
         plans["validation_configured"] = validation_at(configured)
         plans["validation_configured"].stage = "validation at validate.tp"
+    if int(cfg.online.tp) != plans["online"].tp:
+        plans["online_configured"] = online_at(int(cfg.online.tp))
+        plans["online_configured"].stage = "online at online.tp"
     plans["training"] = StagePlan("training (data-parallel)", 1, {k: v for k, v in training.items() if k != "total"},
                                   training["total"], budget)
     return plans

@@ -4,9 +4,11 @@ metrics.jsonl (every record); wandb (disabled/offline/online)."""
 from __future__ import annotations
 
 import json
+import time
 from dataclasses import asdict
 from pathlib import Path
 
+import torch
 from tqdm import tqdm
 
 from mtp_train.config import TrainConfig
@@ -57,3 +59,22 @@ class Metrics:
         if self.run is not None:
             self.run.finish()
         self.file.close()
+
+
+class PhaseTimer:
+    """Seconds per phase of a step (trainer.time_phases): each `lap` adds the time since the last one to its name,
+    the device synchronised first so a GPU's queued kernels count where they were launched. Off: no syncs, no keys."""
+
+    def __init__(self, device: torch.device, enabled: bool) -> None:
+        self.device, self.enabled = device, enabled
+        self.seconds: dict[str, float] = {}
+        self._last = time.perf_counter()
+
+    def lap(self, name: str) -> None:
+        if not self.enabled:
+            return
+        if self.device.type == "cuda":
+            torch.cuda.synchronize(self.device)
+        now = time.perf_counter()
+        self.seconds[name] = self.seconds.get(name, 0.0) + now - self._last
+        self._last = now

@@ -1,6 +1,7 @@
 """Train an MTP / EAGLE-1 head with DeepSpeed.
 
     python -m mtp_train.train features_dir=DIR [model=stories260k] [head=mtp] [trainer=zero2] [key=value ...]
+    python -m mtp_train.train features=online [online.tp=T] ...  # the target computes the features in the job
     torchrun --standalone --nproc_per_node 8 -m mtp_train.train model=llama3_1_8b model.path=DIR features_dir=DIR
     python -m mtp_train.train model=llama3_1_70b --cfg job        # print the composed config and exit
     launch/train.sh ...                                           # torchrun for one node or many (see launch/)

@@ -21,6 +21,7 @@ import torch
 
 from data_tools.config import ConfigError
 from infer import parallel
+from data_tools.features import FeatureDataset
 from infer.engine import Engine
 from infer.host_memory import keep_freed_memory
 from infer.loader import DTYPES, ModelLoadError
@@ -30,13 +31,14 @@ from mtp_train import checkpoint, distributed, draft_vocab
 from mtp_train.config import TrainConfig
 from mtp_train.data import FeatureError, MicroBatches, eval_batches, open_features, reaching_every_step, split_records
 from mtp_train.heads import build_head
-from mtp_train.metrics import Metrics
+from mtp_train.metrics import Metrics, PhaseTimer
+from mtp_train.online import OnlineError, OnlineFeatures, check_online, copy_group
 from mtp_train.target import TargetError, load_target
 from mtp_train.unroll import STATS, LossWeights, UnrolledHead, batch_plan, per_step_means, step_token_counts
 from mtp_train.validate import validate_head
 
 USER_ERRORS = (ConfigError, TargetError, FeatureError, checkpoint.ResumeError, HeadLoadError,
-               ModelLoadError, PromptFileError, parallel.ShardingError)
+               ModelLoadError, PromptFileError, parallel.ShardingError, OnlineError)
 
 
 def warmup_cosine(warmup: int, total: int, min_ratio: float):
@@ -84,15 +86,17 @@ class Trainer:
         self.objective = UnrolledHead(self.head, self.target.norm_weight, self.target.eps, self.num_steps,
                                       LossWeights.from_config(cfg.loss), autocast=t.autocast)
 
-        dataset = open_features(cfg.features_dir, self.target.config.hidden_size, self.head.target_aux_layers)
+        dataset = self.open_dataset()
         train_ids, eval_ids = self.long_enough(dataset, *split_records(len(dataset), cfg.eval_records, cfg.seed))
+        if isinstance(dataset, OnlineFeatures):  # every rank of a copy computes the whole held-out set alike
+            dataset.compute(eval_ids)
         self.draft_vocab = self.choose_draft_vocab(dataset, train_ids, eval_ids)
         self.micro_batches = MicroBatches(dataset, train_ids, t.micro_batch_size, t.seq_len, cfg.seed, self.rank,
                                           self.world, t.pad_tokens_to, cfg.loss.chain_share,
                                           cfg.loss.unroll_steps)
         self.eval_set = eval_batches(dataset, eval_ids, t.micro_batch_size, t.seq_len, self.rank, self.world)
         self.eval_plans = [batch_plan(b, self.num_steps) for b in self.eval_set]
-        self.identity = self.run_identity(dataset.manifest)
+        self.identity = self.run_identity(dataset)
 
         self.zero_head = distributed.ZeroHead(self.objective, param_groups(self.head, t.weight_decay),
                                               distributed.deepspeed_config(t),
@@ -102,13 +106,30 @@ class Trainer:
                      if t.resume else 0)
         self.served: Engine | None = None  # the target in infer/, for validation (loaded on first use)
         self.serving = self.serving_group() if cfg.validate.enabled else None
+        self.online = dataset if isinstance(dataset, OnlineFeatures) else None
+
+    def open_dataset(self) -> FeatureDataset | OnlineFeatures:
+        """The precomputed features (features=offline), or this rank's copy of the target computing them
+        (features=online, mtp_train.online): the same records in the same order either way."""
+        cfg = self.cfg
+        if cfg.features == "offline":
+            return open_features(cfg.features_dir, self.target.config.hidden_size, self.head.target_aux_layers)
+        check_online(cfg, self.world)
+        group = copy_group(cfg.online.tp, self.device)
+        online = OnlineFeatures(cfg, group, self.head.target_aux_layers, self.device,
+                                cfg.trainer.progress and self.rank == 0)
+        if self.rank == 0:
+            print(f"online: {self.world // group.size} copies of the target over {group.size} rank(s) each; "
+                  f"{online.report.summary()}", file=sys.stderr)
+        return online
 
     def long_enough(self, dataset, train_ids: list[int], eval_ids: list[int]) -> tuple[list[int], list[int]]:
         """Both splits without the records too short to reach every unroll step (`reaching_every_step`), said once."""
         kept = [reaching_every_step(dataset, ids, self.num_steps) for ids in (train_ids, eval_ids)]
         dropped = [len(ids) - len(k) for ids, k in zip((train_ids, eval_ids), kept)]
         if any(dropped) and self.rank == 0:
-            print(f"note: {dropped[0]} training and {dropped[1]} held-out records of {self.cfg.features_dir} have "
+            source = self.cfg.features_dir or "the data"
+            print(f"note: {dropped[0]} training and {dropped[1]} held-out records of {source} have "
                   f"fewer than loss.unroll_steps + 1 = {self.num_steps + 1} tokens: no position of theirs reaches "
                   "every unroll step, so they are left out", file=sys.stderr)
         if not kept[0]:
@@ -134,13 +155,19 @@ class Trainer:
                 **{f"mass_{rule}_train": round(draft_vocab.coverage(scores, ids), 5) for rule, ids in chosen.items()},
                 **{f"mass_{rule}_eval": round(draft_vocab.coverage(held_out, ids), 5) for rule, ids in chosen.items()}}
 
-    def run_identity(self, manifest: dict) -> dict:
-        """What decides the data order and the objective; a resumed run must match it (mtp_train.checkpoint)."""
+    def run_identity(self, dataset: FeatureDataset | OnlineFeatures) -> dict:
+        """What decides the data order and the objective; a resumed run must match it (mtp_train.checkpoint).
+        Online, the features' identity is the target's files, the settings of its forward and the records."""
         cfg, t = self.cfg, self.cfg.trainer
-        shards = json.dumps([s["sha256"] for s in manifest["shards"]]).encode()
+        if isinstance(dataset, OnlineFeatures):
+            features = dataset.identity
+        else:
+            shards = json.dumps([s["sha256"] for s in dataset.manifest["shards"]]).encode()
+            features = {"num_records": dataset.manifest["num_records"],
+                        "shards_sha256": hashlib.sha256(shards).hexdigest()}
         return {
             "target": self.head.config.target,
-            "features": {"num_records": manifest["num_records"], "shards_sha256": hashlib.sha256(shards).hexdigest()},
+            "features": features,
             "seed": cfg.seed, "eval_records": cfg.eval_records, "world_size": self.world,
             "micro_batch_size": t.micro_batch_size, "seq_len": t.seq_len, "grad_accum": t.grad_accum,
             "head": asdict(self.head.config) | {"target": None},
@@ -156,15 +183,21 @@ class Trainer:
     def train_step(self) -> dict:
         accum = self.cfg.trainer.grad_accum
         start = time.perf_counter()
+        phases = PhaseTimer(self.device, self.cfg.trainer.time_phases)
         batches = [self.micro_batches(self.step * accum + a) for a in range(accum)]
+        phases.lap("data_s")  # online: the target's forwards (target_forward_s of them); offline: reading features
         plans = [batch_plan(b, self.num_steps) for b in batches]  # once per micro batch: counted, then unrolled
         norms = self.normalisers(batches, plans)
         totals = torch.zeros(self.num_steps, len(STATS), device=self.device)
         loss_sum = torch.zeros((), device=self.device)
         self.zero_head.train()
+        phases.lap("data_s")
         for batch, plan in zip(batches, plans):
             loss, stats = self.zero_head(batch.to(self.device, self.dtype), norms, plan)
-            self.zero_head.backward_and_step(loss)
+            self.zero_head.backward(loss)
+            phases.lap("head_s")
+            self.zero_head.step()
+            phases.lap("optimizer_s")
             loss_sum += loss.detach().float() / (self.world * accum)
             totals += stats
         self.step += 1
@@ -172,8 +205,12 @@ class Trainer:
         reduced = distributed.all_reduce_sum(torch.cat((loss_sum[None], tokens[None], totals.flatten())))
         counts = norms * self.world * accum
         record = {"split": "train", "step": self.step, "loss": reduced[0].item(), "lr": self.zero_head.lr,
-                  "grad_norm": self.zero_head.grad_norm, "tokens_per_s": reduced[1].item() / (time.perf_counter() - start),
+                  "grad_norm": self.zero_head.grad_norm, "tokens": reduced[1].item(),
+                  "tokens_per_s": reduced[1].item() / (time.perf_counter() - start),
                   "records": [r for b in batches for r in b.record_ids]}  # this rank's, for the data-order check
+        if self.online:  # this rank's seconds in the target's forwards so far, and its records computed so far
+            record.update(target_forward_s=self.online.forward_s, target_records=self.online.records_computed)
+        record.update(phases.seconds)
         record.update(per_step_means(reduced[2:].view(self.num_steps, len(STATS)), counts))
         if self.cfg.loss.chain_share < 1 and self.num_steps > 1:  # the share drawn: step 1's positions over step 0's
             record["chain_share"] = float(counts[1] / counts[0].clamp(min=1))
@@ -284,6 +321,8 @@ class Trainer:
             "trainable_params": sum(p.numel() for g in param_groups(self.head, 0.0) for p in g["params"]),
             "frozen_shared_sha256_start": self.frozen_sha256, "frozen_shared_sha256_end": self.frozen_fingerprint(),
             "frozen_requires_grad": any(p.requires_grad for p in (shared.embed_tokens.weight, shared.lm_head.weight)),
+            # this rank's peak of device memory (a GPU's allocator; None on a CPU)
+            "peak_device_bytes": torch.cuda.max_memory_allocated(self.device) if self.device.type == "cuda" else None,
         }
         if self.rank == 0:
             (self.out_dir / "summary.json").write_text(json.dumps(summary, indent=2) + "\n")

@@ -1,5 +1,6 @@
 """mtp_train.memory_plan's tensor-parallel plan, from the configs' shapes on the meta device (no weights): the 70B
-target fits one node of 8 x 80 GB for precompute and for validation in training, at degrees that split its heads."""
+target fits one node of 8 x 80 GB for precompute, online training and validation in training, at degrees that split
+its heads."""
 
 from __future__ import annotations
 
@@ -56,3 +57,19 @@ def test_memory_plan_prints_each_stage_with_its_degree(capsys):
     lines = [line for line in out.splitlines() if line.startswith("  precompute") or line.startswith("  validation")]
     assert len(lines) == 2 and all("tp=1" in line and " fits " in line for line in lines), out
     assert "target shard 29.26" in lines[0]  # 15.7 B parameters in bf16 on one GPU
+
+
+def test_the_70b_online_plan_fits_at_tp_4_and_not_at_2(plan_70b):
+    """features=online: two copies of the 70B target over 4 GPUs each fit 8 x 80 GB beside the head's ZeRO share,
+    the KV pool of one capture batch and the activations; at tp=2 the 70 GB shard alone leaves no room."""
+    cfg, plans = plan_70b
+    online = plans["online"]
+    assert online.fits and online.tp == cfg.online.tp == 4 and "online_configured" not in plans
+    assert online.terms["target_shard"] == params_per_rank(4) * 2  # bf16 (conf/recipe: online.model_dtype)
+    kv_per_token = L * 2 * (KV_HEADS // 4) * D * 2
+    assert online.terms["kv_pages"] == (8192 // 16 + 256) * 16 * kv_per_token
+    assert online.terms["head_zero_share"] == plans["validation"].terms["training_state"]
+    budget = 80 * GIB * (1 - HEADROOM)
+    two = compose_training(["model=llama3_1_70b", "trainer=zero3", "online.tp=2"], complete=False)
+    at_two = tp_plan(two)["online_configured"]
+    assert at_two.tp == 2 and not at_two.fits and at_two.total > budget

@@ -69,6 +69,26 @@ def test_a_killed_and_resumed_two_rank_run_is_bitwise_the_uninterrupted_one(tmp_
     assert _head_bytes(tmp_path) == _head_bytes(uninterrupted)
 
 
+def test_an_online_run_killed_and_resumed_is_bitwise_the_precomputed_uninterrupted_one(tmp_path, uninterrupted, features,
+                                                                                       stories_hf_dir):
+    """features=online on the records `features` holds, killed after step 3 and resumed: every loss and the head's bytes
+    equal the uninterrupted run's on precomputed features, and the resumed run's target computed the held-out set and
+    the micro batches from step 3 on only (rank 0's count: its own records)."""
+    online = [*TRUST, "features=online", "online.dtype=float32", "data.limit=64"]
+    killed, _ = _launch(["tests.kill_after_step", "3"], tmp_path, features, stories_hf_dir, online)
+    assert killed.returncode != 0 and (tmp_path / "checkpoints" / "latest").read_text() == "step_2"
+    resumed, _ = _launch(["mtp_train.train"], tmp_path, features, stories_hf_dir, online)
+    assert resumed.returncode == 0, resumed.stderr[-3000:]
+    assert _losses(tmp_path) == _losses(uninterrupted)
+    assert _head_bytes(tmp_path) == _head_bytes(uninterrupted)
+    steps = [r for r in _records(tmp_path) if r["split"] == "train"]
+    after = steps[[r["step"] for r in steps].index(3, 3):]  # the resumed run's steps, from step 3 (logged again)
+    held_out = after[0]["target_records"] - len(after[0]["records"])
+    assert 0 < held_out <= 8  # eval_records=8 (rank 0 computes them all), not steps 1 and 2's records
+    for previous, step in zip(after, after[1:]):
+        assert step["target_records"] - previous["target_records"] == len(step["records"])
+
+
 @pytest.mark.parametrize("phase, rank, exit_code, message", [
     ("resume", 1, 2, "DeepSpeed's checkpoint cannot be loaded safely: PytorchStreamReader failed reading zip archive"),
     ("step", 0, 1, "injected: CPU out of memory"),
