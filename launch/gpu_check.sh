@@ -22,6 +22,9 @@ left() {
   echo $((rest < $1 ? rest : $1))
 }
 
+"$PY" -c "import sys, torch; sys.exit(not torch.cuda.is_available())" \
+  || { echo "error: the GPU check needs a CUDA GPU, and torch.cuda.is_available() is False here" >&2; exit 2; }
+
 if t=$(left 420 120); then
   timeout "$t" "$PY" -m infer.bench.gpu_check --stories "$ASSETS/stories260K/hf-reference" "$@" \
     || echo "| runtime | infer.bench.gpu_check | failed or out of time (exit $?, ${t} s) | |"
