@@ -107,6 +107,11 @@ class GraphRunner:
         pad_positions = torch.arange(self.max_q_len, device=self.device)
         self._pad = (pad_positions, 2 * dummy_page * page_size + pad_positions)
 
+    @property
+    def attention(self) -> str:
+        """What attends inside the graphs (the GPU check's rows say it)."""
+        return "FlashInfer graph wrappers" if self.flashinfer else "static-paged SDPA"
+
     def key(self, meta: PageMetadata, logits_indices: torch.Tensor | None,
             model_inputs: dict) -> GraphKey | None:
         """The graph that serves this forward, or None where it runs eagerly."""
