@@ -94,7 +94,20 @@ def _paged_attention(plan: dict, q: torch.Tensor, paged_kv_cache: torch.Tensor) 
     return out
 
 
-class BatchPrefillWithPagedKVCacheWrapper:
+class _PagedWrapper:
+    """run() of both paged wrappers: from the plan, or in cudagraph mode from the buffers it wrote."""
+
+    q_len = 0  # rows a sequence where no qo_indptr buffer says (decode: 1)
+
+    def run(self, q: torch.Tensor, paged_kv_cache: torch.Tensor) -> torch.Tensor:
+        plan = self._plan
+        assert plan is not None, "run() before plan()"
+        assert (q.shape[1], paged_kv_cache.shape[3], q.shape[2]) == plan["heads"]
+        CALLS.append(("graph-run" if self.graph.on else "run", q.shape[0]))
+        return _paged_attention(self.graph.read(plan, self.q_len) if self.graph.on else plan, q, paged_kv_cache)
+
+
+class BatchPrefillWithPagedKVCacheWrapper(_PagedWrapper):
     def __init__(self, workspace: torch.Tensor, kv_layout: str = "NHD", use_cuda_graph: bool = False,
                  qo_indptr_buf=None, paged_kv_indptr_buf=None, paged_kv_indices_buf=None,
                  paged_kv_last_page_len_buf=None) -> None:
@@ -116,16 +129,11 @@ class BatchPrefillWithPagedKVCacheWrapper:
         if self.graph.on:
             self.graph.write(qo_indptr, paged_kv_indptr, paged_kv_indices, paged_kv_last_page_len)
 
-    def run(self, q: torch.Tensor, paged_kv_cache: torch.Tensor) -> torch.Tensor:
-        plan = self._plan
-        assert plan is not None, "run() before plan()"
-        assert (q.shape[1], paged_kv_cache.shape[3], q.shape[2]) == plan["heads"]
-        CALLS.append(("graph-run" if self.graph.on else "run", q.shape[0]))
-        return _paged_attention(self.graph.read(plan, 0) if self.graph.on else plan, q, paged_kv_cache)
 
-
-class BatchDecodeWithPagedKVCacheWrapper:
+class BatchDecodeWithPagedKVCacheWrapper(_PagedWrapper):
     """One query row a sequence; FlashInfer's decode kernels (tensor cores or not: the same values)."""
+
+    q_len = 1
 
     def __init__(self, workspace: torch.Tensor, kv_layout: str = "NHD", use_cuda_graph: bool = False,
                  use_tensor_cores: bool = False, paged_kv_indptr_buffer=None, paged_kv_indices_buffer=None,
@@ -145,13 +153,6 @@ class BatchDecodeWithPagedKVCacheWrapper:
                           heads=(num_qo_heads, num_kv_heads, head_dim))
         if self.graph.on:
             self.graph.write(None, indptr, indices, last_page_len)
-
-    def run(self, q: torch.Tensor, paged_kv_cache: torch.Tensor) -> torch.Tensor:
-        plan = self._plan
-        assert plan is not None, "run() before plan()"
-        assert (q.shape[1], paged_kv_cache.shape[3], q.shape[2]) == plan["heads"]
-        CALLS.append(("graph-run" if self.graph.on else "run", q.shape[0]))
-        return _paged_attention(self.graph.read(plan, 1) if self.graph.on else plan, q, paged_kv_cache)
 
 
 class BatchMLAPagedAttentionWrapper:
