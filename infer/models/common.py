@@ -127,6 +127,9 @@ def rope_inv_freq(config: PretrainedConfig, dim: int) -> tuple[torch.Tensor, flo
     return inv_freq.float(), float(scale)
 
 
+ROPE_TABLE_MARGIN = 256
+
+
 class RotaryEmbedding(nn.Module):
     """cos/sin for a step's positions, computed once per forward and shared by all layers.
 
@@ -141,7 +144,9 @@ class RotaryEmbedding(nn.Module):
         signs = torch.ones(dim, device="cpu")
         signs[: dim // 2] = -1.0
         self.register_buffer("half_signs", signs, persistent=False)  # [-1 ... -1, 1 ... 1]: the signed sin
-        self.max_positions = getattr(config, "max_position_embeddings", None) or 4096
+        # the one-kernel RoPE's table rows: the context, and a margin for drafts past its end (a GPU kernel reading
+        # past the table would not fail, it would read garbage)
+        self.max_positions = (getattr(config, "max_position_embeddings", None) or 4096) + ROPE_TABLE_MARGIN
         self._cos_sin_cache: torch.Tensor | None = None  # the one-kernel RoPE's table (`cos_sin_cache`)
 
     def forward(self, positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
