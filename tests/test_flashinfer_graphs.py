@@ -4,18 +4,22 @@ does). Through the padded path (mode "padded": what a GPU captures, run eagerly)
 eager torch backend's tokens, plain and speculative (an EAGLE-3 head: verify through the prefill wrapper, drafts
 through the decode wrapper); each forward is planned once, on the host, before its layers run, and the captured
 callable itself plans nothing; the wrappers read buffers that keep their addresses. The control: planning a wrapper
-only on its first forward (stale buffers at every later replay) changes the tokens."""
+only on its first forward (stale buffers at every later replay) changes the tokens. The padded plan puts padded
+requests on the dummy page, and a plan refuses to run while the stream captures."""
 
 from __future__ import annotations
 
 import sys
 
 import pytest
+import torch
 
 import infer.attention.flashinfer_backend
-from infer.attention.flashinfer_graphs import FlashInferGraphAttention
+import infer.attention.flashinfer_graphs
+from infer.attention.flashinfer_graphs import FlashInferGraphAttention, padded_plan
 from infer.bench.graph_check import eagle3_head_for
 from infer.engine import Engine, EngineConfig
+from infer.kv_cache import build_page_metadata
 from infer.sampling_params import SamplingParams
 from tests import fake_flashinfer
 
@@ -107,3 +111,22 @@ def test_planning_only_the_first_forward_changes_the_tokens(fake, stories_model,
 
     monkeypatch.setattr(FlashInferGraphAttention, "plan", first_only)
     assert generate(stories_model, "flashinfer", "padded")[0] != runs["plain"][0]
+
+
+def test_the_padded_plan_and_no_plan_inside_a_capture(runs, monkeypatch):
+    """A step of one request (2 keys on page 3) padded to 2 requests: the padded one holds its row on the dummy page.
+    A plan while the stream captures fails (host work a graph would not record); the same plan outside runs."""
+    graphs = runs["plain"][2].runner.graphs
+    attn, dummy = graphs.attn, graphs.dummy_page
+    padded = padded_plan(build_page_metadata([[3]], [1], [2], 8, torch.device("cpu")), 2, 1, dummy)
+    assert [t.tolist() for t in (padded.qo_indptr, padded.kv_indptr, padded.kv_indices, padded.kv_last_page_len)] == [
+        [0, 1, 2], [0, 1, 2], [3, dummy], [2, 1]]
+    capturing = [True]
+    monkeypatch.setattr(attn, "device", torch.device("cuda"))  # the guard's device; the buffers stay on the CPU
+    monkeypatch.setattr(infer.attention.flashinfer_graphs, "pinned", lambda host, device: host)
+    monkeypatch.setattr(torch.cuda, "is_current_stream_capturing", lambda: capturing[0])
+    with pytest.raises(RuntimeError, match="inside a CUDA graph capture"):
+        attn.plan(padded)
+    capturing[0], plans = False, attn.num_plans
+    attn.plan(padded)
+    assert attn.num_plans == plans + 1
