@@ -6,11 +6,12 @@ and vLLM's padded capture sizes: static max-size buffers for the inputs (token i
 token writes, a block table of page ids, the rows whose logits are wanted, a head's hidden states), each graph
 captured on `[:bs]` views of them, the step's inputs copied in before a replay, padded requests' rows writing their
 K/V to a reserved dummy page (page `num_pages` of a cache allocated one page larger) and attending only to it.
-Attention is `StaticPagedAttention`, whose fixed-shape metadata a graph can hold (FlashInfer's graph wrappers are
-not wired in yet). A forward is replayed when its rows are uniform (every request the same number of rows, at most a
-page), its batch fits the largest captured size, its keys fit the largest capacity and its logits are wanted at every
-row or at one row a request; anything else (prefill chunks, mixed steps, MLA models, tensor parallelism) runs
-eagerly.
+Attention is FlashInfer's on that backend (`FlashInferGraphAttention`: a `use_cuda_graph=True` wrapper per padded
+batch size and rows a request over fixed metadata buffers, planned on the host from host copies before every
+replay), else `StaticPagedAttention`, whose fixed-shape metadata a graph can hold (torch SDPA). A forward is
+replayed when its rows are uniform (every request the same number of rows, at most a page), its batch fits the
+largest captured size, its keys fit the largest capacity and its logits are wanted at every row or at one row a
+request; anything else (prefill chunks, mixed steps, MLA models, tensor parallelism) runs eagerly.
 
 Mode "padded" runs the same buffers and padding eagerly (on a CPU, where nothing can be captured): tests show
 through it that padded batches give the unpadded tokens and that the buffers keep their addresses, and compile
@@ -25,7 +26,9 @@ from dataclasses import dataclass
 
 import torch
 
+from infer.attention.flashinfer_graphs import FlashInferGraphAttention, padded_plan
 from infer.attention.static_backend import StaticPagedAttention
+from infer.device_copy import pinned
 from infer.kv_cache import PageMetadata, pages_needed
 from infer.models.common import ModelOutput
 
@@ -76,7 +79,9 @@ class GraphRunner:
     """A model's captured forwards over static buffers (mode "on": CUDA graphs; "padded": the same path eagerly)."""
 
     def __init__(self, model: torch.nn.Module, kv_caches: list[torch.Tensor], page_size: int, dummy_page: int,
-                 max_seqs: int, max_q_len: int, max_model_len: int, mode: str) -> None:
+                 max_seqs: int, max_q_len: int, max_model_len: int, mode: str, backend: str = "torch") -> None:
+        """backend: the runner's attention backend ("flashinfer": its graph wrappers; else torch SDPA over a static
+        block table)."""
         self.model, self.kv_caches, self.page_size, self.dummy_page = model, kv_caches, page_size, dummy_page
         self.mode, self.sizes = mode, capture_sizes(max_seqs)
         self.max_q_len = min(max_q_len, page_size)  # a padded request's rows fit its one dummy page
@@ -88,13 +93,24 @@ class GraphRunner:
         self.input_ids, self.positions, self.k_rows, self.v_rows = new(tokens), new(tokens), new(tokens), new(tokens)
         self.block_table, self.logits_rows = new(batch, self.max_pages), new(batch)
         self.hidden: torch.Tensor | None = None  # [tokens, H] for a head, made on its first forward
-        self.attn = StaticPagedAttention(page_size)
+        self.flashinfer = backend == "flashinfer"
+        if self.flashinfer:
+            self.attn = FlashInferGraphAttention(dtype=param.dtype, device=self.device, page_size=page_size,
+                                                 max_batch=batch, max_pages=self.max_pages, **model.attention_dims())
+        else:
+            self.attn = StaticPagedAttention(page_size)
         self.graphs: dict[GraphKey, tuple[torch.cuda.CUDAGraph, ModelOutput]] = {}
         self.pool = None  # the graphs' shared memory pool
         self.num_runs = 0  # forwards served here (tests, bench)
+        self.last_key: GraphKey | None = None  # the last forward's (tests)
         # padded requests: rows at positions 0..q_len-1 of the dummy page
         pad_positions = torch.arange(self.max_q_len, device=self.device)
         self._pad = (pad_positions, 2 * dummy_page * page_size + pad_positions)
+
+    @property
+    def attention(self) -> str:
+        """What attends inside the graphs (the GPU check's rows say it)."""
+        return "FlashInfer graph wrappers" if self.flashinfer else "static-paged SDPA"
 
     def key(self, meta: PageMetadata, logits_indices: torch.Tensor | None,
             model_inputs: dict) -> GraphKey | None:
@@ -106,7 +122,8 @@ class GraphRunner:
         need = pages_needed(meta.max_kv_len, self.page_size)
         if need > self.max_pages:
             return None
-        key_pages = max(MIN_KEY_PAGES, 1 << (need - 1).bit_length())
+        # FlashInfer's graphs read any context up to the buffers' (one graph a shape); SDPA's, up to their capacity
+        key_pages = self.max_pages if self.flashinfer else max(MIN_KEY_PAGES, 1 << (need - 1).bit_length())
         padded = self.sizes[bisect.bisect_left(self.sizes, batch)]
         return GraphKey(padded, q_len, min(key_pages, self.max_pages), logits_indices is not None,
                         tuple(model_inputs.get("aux_layers", ())), model_inputs.get("hidden_states") is not None)
@@ -116,7 +133,9 @@ class GraphRunner:
         """Copy the forward's inputs into the buffers, then replay its graph (capturing it first) or, padded, call
         the same callable; the outputs are the real rows'."""
         self._copy_in(key, input_ids, meta, logits_indices, model_inputs.get("hidden_states"))
-        self.num_runs += 1
+        if self.flashinfer:  # host work before the replay, never inside a capture
+            self.attn.plan(padded_plan(meta.on_host(), key.batch, key.q_len, self.dummy_page))
+        self.num_runs, self.last_key = self.num_runs + 1, key
         if self.mode == "padded":
             out = self.callable(key)()
         else:
@@ -135,8 +154,11 @@ class GraphRunner:
         extra = {"aux_layers": key.aux_layers} if key.aux_layers else {}
         if key.with_hidden:
             extra["hidden_states"] = self.hidden[:tokens]
-        bound = (self.block_table[: key.batch, : key.key_pages], self.positions[:tokens], self.k_rows[:tokens],
-                 self.v_rows[:tokens], key.q_len)
+        if self.flashinfer:
+            bound = (key.batch, key.q_len, self.k_rows[:tokens], self.v_rows[:tokens])
+        else:
+            bound = (self.block_table[: key.batch, : key.key_pages], self.positions[:tokens], self.k_rows[:tokens],
+                     self.v_rows[:tokens], key.q_len)
 
         def forward() -> ModelOutput:
             attn.bind(*bound)
@@ -158,7 +180,8 @@ class GraphRunner:
             self.positions[rows:tokens].copy_(pad_positions)
             self.k_rows[rows:tokens].copy_(pad_rows)
             self.v_rows[rows:tokens].copy_(pad_rows + self.page_size)
-        self.block_table[: key.batch, : key.key_pages].copy_(self._block_table(meta, key), non_blocking=True)
+        if not self.flashinfer:
+            self.block_table[: key.batch, : key.key_pages].copy_(self._block_table(meta, key), non_blocking=True)
         if logits_indices is not None:
             self.logits_rows[:batch].copy_(logits_indices)
             self.logits_rows[batch : key.batch].zero_()  # padded requests read row 0, never a stale row past T
@@ -177,7 +200,7 @@ class GraphRunner:
         rows = torch.repeat_interleave(torch.arange(meta.batch_size), counts)
         cols = torch.arange(counts.sum().item()) - torch.repeat_interleave(host.kv_indptr[:-1].long(), counts)
         table[rows, cols] = host.kv_indices[: host.kv_indptr[-1]].long().cpu()
-        return table.pin_memory() if self.device.type == "cuda" else table
+        return pinned(table, self.device)
 
     def _replay(self, key: GraphKey) -> ModelOutput:
         """Replay key's graph (captured on first use, after two warm-up runs on a side stream, as the buffers hold a

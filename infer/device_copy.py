@@ -19,6 +19,11 @@ def is_cuda(device: torch.device | str) -> bool:
     return (device.type if isinstance(device, torch.device) else torch.device(device).type) == "cuda"
 
 
+def pinned(host: torch.Tensor, device: torch.device | str) -> torch.Tensor:
+    """host in pinned memory where it is bound for a GPU (an asynchronous copy's source), else itself."""
+    return host.pin_memory() if is_cuda(device) else host
+
+
 def to_device(host: torch.Tensor, device: torch.device | str) -> torch.Tensor:
     """A host tensor on `device`, copied asynchronously where that is a GPU (the tensor itself on a CPU)."""
     if not is_cuda(device):

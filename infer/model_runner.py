@@ -98,10 +98,10 @@ class ModelRunner:
         graphs = cuda_graphs != "off" and self.tp.size == 1 and model.attention_dims()["mla_dims"] is None
         # with graphs, one page more than the pool hands out: the padded requests' dummy page
         self.kv_caches = model.allocate_kv_cache(num_pages + graphs, page_size, self.dtype, self.device)
+        self.backend_name = resolve_backend_name(backend, self.device)
         self.graphs = GraphRunner(model, self.kv_caches, page_size, num_pages, max_seqs, max_q_len,
                                   max_model_len or model.config.max_position_embeddings,
-                                  cuda_graphs) if graphs else None
-        self.backend_name = resolve_backend_name(backend, self.device)
+                                  cuda_graphs, self.backend_name) if graphs else None
         if self.backend_name == "flashinfer":
             self.attn = FlashInferAttention(dtype=self.dtype, device=self.device, **model.attention_dims())
         else:

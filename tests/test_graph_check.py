@@ -73,6 +73,22 @@ def test_decode_rows_run_on_a_cpu_and_compare_tokens():
     assert same_tokens([[1, 2, 3], [4, 5]], [[1, 2, 4], [4, 5]]) == "equal 1/2, first differ at 2"  # the control
 
 
+def test_decode_rows_take_the_flashinfer_graph_path_where_it_imports(monkeypatch):
+    """Where FlashInfer imports (the fake here, `tests/fake_flashinfer.py`) the check's graph rows run through its
+    graph wrappers and say so; the padded path's tokens equal the eager FlashInfer path's."""
+    import infer.attention.flashinfer_backend
+    from tests import fake_flashinfer
+
+    monkeypatch.setitem(sys.modules, "flashinfer", fake_flashinfer)
+    monkeypatch.setattr(infer.attention.flashinfer_backend, "flashinfer_available", lambda: True)
+    fake_flashinfer.CALLS.clear()
+    rows = decode_graph_rows("tiny", "cpu", [2], 4, 1, shape=TINY, backend="flashinfer")
+    assert "equal 2/2" in rows[0]["reference"] and "FlashInfer graph wrappers" in rows[0]["reference"]
+    assert any(call[0] == "graph-plan" for call in fake_flashinfer.CALLS)
+    torch_rows = decode_graph_rows("tiny", "cpu", [2], 4, 1, shape=TINY, backend="torch")  # the control
+    assert "static-paged SDPA" in torch_rows[0]["reference"]
+
+
 @pytest.mark.parametrize("case", ["fails", "overruns", "finishes"])
 def test_graph_rows_from_a_child_process(case):
     """The GPU check runs its graph rows in a process of its own: its rows come through as they land, and a process

@@ -72,6 +72,16 @@ def write_kv(kv_cache: torch.Tensor, rows: torch.Tensor, kv: torch.Tensor) -> to
     return flat
 
 
+def write_kv_rows(kv_cache: torch.Tensor, k_rows: torch.Tensor, v_rows: torch.Tensor, k: torch.Tensor,
+                  v: torch.Tensor) -> torch.Tensor:
+    """Store K and V [T, Hkv, D] at their own rows of a [pages, 2, page_size, Hkv, D] cache's flat view (a graph's
+    static row buffers: no concatenation); returns the flat view."""
+    flat = kv_cache.view(-1, *kv_cache.shape[-2:])
+    flat.index_copy_(0, k_rows, cast(k, flat.dtype))
+    flat.index_copy_(0, v_rows, cast(v, flat.dtype))
+    return flat
+
+
 def write_mla(cache: torch.Tensor, rows: torch.Tensor, values: torch.Tensor) -> torch.Tensor:
     """Store latents or rope keys into a [pages, page_size, dim] cache; returns its flat view."""
     flat = cache.view(-1, cache.shape[-1])

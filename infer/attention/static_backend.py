@@ -12,7 +12,7 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-from infer.attention.backend import cast
+from infer.attention.backend import write_kv_rows
 
 
 class StaticPagedAttention:
@@ -48,9 +48,7 @@ class StaticPagedAttention:
     def attend(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, kv_cache: torch.Tensor,
                scale: float) -> torch.Tensor:
         """q [T, H, D], k/v [T, Hkv, D] -> [T, H, D]; k/v go into kv_cache first (padded rows: the dummy page)."""
-        flat = kv_cache.view(-1, *kv_cache.shape[-2:])
-        flat.index_copy_(0, self.k_rows, cast(k, flat.dtype))
-        flat.index_copy_(0, self.v_rows, cast(v, flat.dtype))
+        flat = write_kv_rows(kv_cache, self.k_rows, self.v_rows, k, v)
         kv_heads, dim = flat.shape[1:]
         keys, values = (flat.index_select(0, self.kv_read).view(self.batch, 2, self.capacity, kv_heads, dim)
                         .to(q.dtype).transpose(2, 3).unbind(1))  # [bs, Hkv, capacity, D] each

@@ -159,9 +159,9 @@ def step_cost_row(engine: Engine, name: str, mode: str, steps: int = 32) -> dict
 
 
 def decode_graph_rows(name: str, device: str, batches: list[int], new_tokens: int, repeats: int,
-                      shape: dict | None = None, cost_steps: int = 32) -> list[dict]:
+                      shape: dict | None = None, cost_steps: int = 32, backend: str = "auto") -> list[dict]:
     """Decode tok/s, graphs on and off, as shares of the bandwidth limit; step costs at batch 1. On a CPU (tests: a
-    tiny `shape`) graphs are the padded path."""
+    tiny `shape`) graphs are the padded path. backend "auto": FlashInfer (and its graph wrappers) where it imports."""
     model = random_model(shape or SHAPES[name], device)
     limit_steps = copy_bandwidth(device, 1 << 30 if device == "cuda" else 1 << 24) / weight_bytes(model)  # steps/s
     graphs = "on" if device == "cuda" else "padded"
@@ -173,7 +173,9 @@ def decode_graph_rows(name: str, device: str, batches: list[int], new_tokens: in
         speeds, outputs = {}, {}
         for mode in ("off", graphs):
             engine = Engine(model, None, [], EngineConfig(max_num_seqs=batch, num_pages=batch * 16 + 8,
-                                                          cuda_graphs=mode))
+                                                          cuda_graphs=mode, backend=backend))
+            if mode == graphs:
+                attention = engine.runner.graphs.attention
             run_engine(engine, prompts[:batch], SamplingParams(max_new_tokens=8, ignore_eos=True))  # capture
 
             def timed() -> tuple[float, int]:
@@ -190,7 +192,7 @@ def decode_graph_rows(name: str, device: str, batches: list[int], new_tokens: in
                                                                   f"{limit:.0f} tok/s",
                      "value": f"graphs {speeds[graphs]:.1f} tok/s ({speeds[graphs] / limit:.1%})",
                      "reference": f"eager {speeds['off']:.1f} tok/s ({speeds['off'] / limit:.1%}); greedy tokens "
-                                  f"{same_tokens(outputs[graphs], outputs['off'])}",
+                                  f"{same_tokens(outputs[graphs], outputs['off'])}; graphs attend by {attention}",
                      "ratio": f"{speeds[graphs] / speeds['off']:.2f}"})
     del model
     return rows
@@ -208,8 +210,8 @@ def eagle3_head_for(model: LlamaForCausalLM, name: str, draft_vocab: int = DRAFT
 
 
 def oracle_speedup(model: LlamaForCausalLM, head, prompts: list[list[int]], k: int, new_tokens: int, repeats: int,
-                   cuda_graphs: str, acceptance: float = 0.8, backend: str = "auto") -> dict[str, float]:
-    """Plain and oracle-drafted tok/s on the same prompts (greedy), and the oracle's tau."""
+                   cuda_graphs: str, acceptance: float = 0.8, backend: str = "auto") -> dict[str, float | str]:
+    """Plain and oracle-drafted tok/s on the same prompts (greedy), the oracle's tau and what attends in its graphs."""
     params = SamplingParams(max_new_tokens=new_tokens, ignore_eos=True)
     config = EngineConfig(max_num_seqs=len(prompts), num_pages=len(prompts) * 24 + 8, num_draft_tokens=k,
                           cuda_graphs=cuda_graphs, backend=backend)
@@ -221,7 +223,9 @@ def oracle_speedup(model: LlamaForCausalLM, head, prompts: list[list[int]], k: i
     run_engine(spec, prompts, SamplingParams(max_new_tokens=8, ignore_eos=True))  # capture
     spec.reset_spec_stats()
     spec_seconds, spec_tokens = best_of(repeats, lambda: run_engine(spec, prompts, params))
-    return {"plain": tokens / seconds, "spec": spec_tokens / spec_seconds, "tau": spec.spec_stats.tau}
+    attention = spec.runner.graphs.attention if spec.runner.graphs is not None else "no graphs"
+    return {"plain": tokens / seconds, "spec": spec_tokens / spec_seconds, "tau": spec.spec_stats.tau,
+            "attention": attention}
 
 
 def spec_graph_rows(device: str, new_tokens: int, repeats: int, name: str = "llama-3.2-1b-shaped") -> list[dict]:
@@ -237,7 +241,8 @@ def spec_graph_rows(device: str, new_tokens: int, repeats: int, name: str = "lla
             rows.append({"check": "spec-graphs", "model": name,
                          "setting": f"EAGLE-3 (32k draft vocab) oracle 0.8, K={k}, batch {batch}, graphs on",
                          "value": f"{got['spec']:.1f} tok/s, tau {got['tau']:.2f}",
-                         "reference": f"plain {got['plain']:.1f} tok/s; achieved/ideal {speedup / got['tau']:.2f}",
+                         "reference": f"plain {got['plain']:.1f} tok/s; achieved/ideal {speedup / got['tau']:.2f}; "
+                                      f"graphs attend by {got['attention']}",
                          "ratio": f"{speedup:.2f}"})
     return rows
 

@@ -12,7 +12,7 @@ from transformers import PretrainedConfig
 from transformers.modeling_rope_utils import ROPE_INIT_FUNCTIONS
 
 from infer.attention import cast
-from infer.models.fused_ops import fused_rms_norm
+from infer.models.fused_ops import FusedRope, fused_rms_norm, serves
 
 
 @dataclass
@@ -42,11 +42,28 @@ def run_decoder_layers(
     if attn.output_rows is not None:
         raise ValueError("a step with output_rows serves one-layer heads: a decoder stack needs every row's output")
     aux: dict[int, torch.Tensor] = {}
+    if serves(x) and hasattr(layers[0], "forward_residual"):
+        return _run_residual_stream(layers, x, cos, sin, attn, kv_caches, aux_layers)
     for i, layer in enumerate(layers):
         x = layer(x, cos, sin, attn, kv_caches[i])
         if i in aux_layers:
             aux[i] = x
     return x, aux
+
+
+def _run_residual_stream(layers: nn.ModuleList, x: torch.Tensor, cos, sin, attn, kv_caches: list,
+                         aux_layers: Sequence[int]) -> tuple[torch.Tensor, dict[int, torch.Tensor]]:
+    """The stack as vLLM and SGLang run it where the fused add + norm serves: each layer gets (its last sublayer's
+    output, the residual so far) and adds them in place inside its input norm's kernel, so a layer's output x +
+    residual is only made where it is read (aux layers, the last). The stack owns the residual (the embedding's
+    output, then the sums): nothing another holds is written."""
+    aux: dict[int, torch.Tensor] = {}
+    residual = None
+    for i, layer in enumerate(layers):
+        x, residual = layer.forward_residual(x, residual, cos, sin, attn, kv_caches[i])
+        if i in aux_layers:
+            aux[i] = x + residual
+    return aux[len(layers) - 1] if len(layers) - 1 in aux else x + residual, aux
 
 
 def final_logits(norm: nn.Module, lm_head: nn.Module, hidden_states: torch.Tensor,
@@ -110,6 +127,9 @@ def rope_inv_freq(config: PretrainedConfig, dim: int) -> tuple[torch.Tensor, flo
     return inv_freq.float(), float(scale)
 
 
+ROPE_TABLE_MARGIN = 256
+
+
 class RotaryEmbedding(nn.Module):
     """cos/sin for a step's positions, computed once per forward and shared by all layers.
 
@@ -124,11 +144,31 @@ class RotaryEmbedding(nn.Module):
         signs = torch.ones(dim, device="cpu")
         signs[: dim // 2] = -1.0
         self.register_buffer("half_signs", signs, persistent=False)  # [-1 ... -1, 1 ... 1]: the signed sin
+        # the one-kernel RoPE's table rows: the context, and a margin for drafts past its end (a GPU kernel reading
+        # past the table would not fail, it would read garbage)
+        self.max_positions = (getattr(config, "max_position_embeddings", None) or 4096) + ROPE_TABLE_MARGIN
+        self._cos_sin_cache: torch.Tensor | None = None  # the one-kernel RoPE's table (`cos_sin_cache`)
 
     def forward(self, positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """positions [T] -> cos, sin [T, dim // 2] in fp32 (the interleaved layout's tables)."""
         freqs = positions.float()[:, None] * self.inv_freq[None, :]
         return freqs.cos() * self.scale, freqs.sin() * self.scale
+
+    def tables(self, positions: torch.Tensor, x: torch.Tensor) -> tuple:
+        """What a forward's layers rotate with: a `FusedRope` (and None) where the one-kernel RoPE serves x (the
+        forward's hidden states: CUDA half precision with FlashInfer), else `half_split`'s cos and signed sin."""
+        if not serves(x):
+            return self.half_split(positions)
+        return FusedRope(positions, self.cos_sin_cache()), None
+
+    def cos_sin_cache(self) -> torch.Tensor:
+        """[max positions, dim] fp32: cos then sin of every position's frequencies (the values of `forward`), made
+        once on the frequencies' device (a forward's warm-up, never a capture)."""
+        if self._cos_sin_cache is None:
+            positions = torch.arange(self.max_positions, device=self.inv_freq.device, dtype=torch.float)
+            freqs = positions[:, None] * self.inv_freq[None, :]
+            self._cos_sin_cache = torch.cat((freqs.cos(), freqs.sin()), dim=-1) * self.scale
+        return self._cos_sin_cache
 
     def half_split(self, positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """positions [T] -> cos, signed sin [T, 1, dim] in fp32 for `apply_rope_half`: [cos ; cos] and [-sin ; sin],

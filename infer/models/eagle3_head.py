@@ -187,7 +187,7 @@ class Eagle3Head(DraftHead):
         assert hidden_states is not None, "the head needs the fused target states or its own"
         dtype = self.fc.weight.dtype
         emb = cast(self.shared.embed_tokens(input_ids), dtype)
-        cos, sin = self.rotary_emb.half_split(positions)
+        cos, sin = self.rotary_emb.tables(positions, emb)
         x = self.layer(emb, cast(hidden_states, dtype), cos, sin, attn, kv_caches[0])
         return self.output(x, attn, logits_indices)
 

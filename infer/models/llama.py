@@ -22,7 +22,7 @@ from infer.attention import AttentionBackend
 from infer.models.common import (
     ModelOutput, RMSNorm, RotaryEmbedding, apply_rope_half, final_logits, keep_output_rows, run_decoder_layers,
 )
-from infer.models.fused_ops import silu_and_mul
+from infer.models.fused_ops import FusedRope, fused_add_rms_norm, fused_rope, silu_and_mul
 from infer.parallel import (
     TPGroup, check_split, column_linear, current, head_spans, lm_head_linear, row_linear, vocab_embedding,
 )
@@ -67,11 +67,19 @@ class LlamaAttention(nn.Module):
     def forward(
         self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, attn: AttentionBackend, kv_cache: torch.Tensor
     ) -> torch.Tensor:
+        """cos, sin: `RotaryEmbedding.tables` (a `FusedRope` and None: one kernel rotates q and k in place)."""
         tokens = x.shape[0]
-        qkv = self.qkv_proj(x).view(tokens, self.num_heads + 2 * self.num_kv_heads, self.head_dim)
-        # split_with_sizes: the C++ method, not Tensor.split's Python wrapper (a measurable share of a small step)
-        qk, v = qkv.split_with_sizes((self.num_heads + self.num_kv_heads, self.num_kv_heads), dim=1)
-        q, k = apply_rope_half(qk, cos, sin).split_with_sizes((self.num_heads, self.num_kv_heads), dim=1)
+        qkv = self.qkv_proj(x)
+        if isinstance(cos, FusedRope):
+            d = self.head_dim
+            fused_rope(qkv, self.num_heads * d, self.num_kv_heads * d, d, cos)
+            q, k, v = qkv.view(tokens, -1, d).split_with_sizes((self.num_heads, self.num_kv_heads, self.num_kv_heads),
+                                                               dim=1)
+        else:
+            qkv = qkv.view(tokens, self.num_heads + 2 * self.num_kv_heads, self.head_dim)
+            # split_with_sizes: the C++ method, not Tensor.split's Python wrapper (a measurable share of a small step)
+            qk, v = qkv.split_with_sizes((self.num_heads + self.num_kv_heads, self.num_kv_heads), dim=1)
+            q, k = apply_rope_half(qk, cos, sin).split_with_sizes((self.num_heads, self.num_kv_heads), dim=1)
         out = attn.attend(q, k, v, kv_cache, self.scale)  # [T or len(attn.output_rows), H, D]
         return self.o_proj(out.reshape(out.shape[0], self.num_heads * self.head_dim))
 
@@ -104,6 +112,19 @@ class LlamaDecoderLayer(nn.Module):
         out = self.self_attn(self.input_layernorm(x), cos, sin, attn, kv_cache)
         x = keep_output_rows(x, attn) + out
         return x + self.mlp(self.post_attention_layernorm(x))
+
+    def forward_residual(self, x: torch.Tensor, residual: torch.Tensor | None, cos, sin, attn: AttentionBackend,
+                         kv_cache: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """The layer where the fused add + norm serves (`run_decoder_layers`): the previous layer's MLP output x and
+        the residual before it (None at the first layer, whose x is the embedding's) -> this layer's MLP output and
+        residual, their sum being `forward`'s output. Each add happens in place inside a norm's kernel."""
+        if residual is None:
+            residual, x = x, self.input_layernorm(x)
+        else:
+            fused_add_rms_norm(x, residual, self.input_layernorm.weight, self.input_layernorm.eps)
+        out = self.self_attn(x, cos, sin, attn, kv_cache)
+        fused_add_rms_norm(out, residual, self.post_attention_layernorm.weight, self.post_attention_layernorm.eps)
+        return self.mlp(out), residual
 
 
 class LlamaModel(nn.Module):
@@ -143,9 +164,9 @@ class LlamaForCausalLM(nn.Module):
         aux_layers: Sequence[int] = (),
     ) -> ModelOutput:
         """input_ids, positions [T] packed; attn already planned for this step's page tables."""
-        cos, sin = self.model.rotary_emb.half_split(positions)
-        x, aux = run_decoder_layers(self.model.layers, self.model.embed_tokens(input_ids), cos, sin, attn, kv_caches,
-                                    aux_layers)
+        x = self.model.embed_tokens(input_ids)
+        cos, sin = self.model.rotary_emb.tables(positions, x)
+        x, aux = run_decoder_layers(self.model.layers, x, cos, sin, attn, kv_caches, aux_layers)
         return ModelOutput(self.compute_logits(x, logits_indices), x, aux)
 
     def compute_logits(self, hidden_states: torch.Tensor, indices: torch.Tensor | None = None) -> torch.Tensor:

@@ -112,7 +112,7 @@ class MTPHead(DraftHead):
         emb = self.enorm(cast(self.shared.embed_tokens(input_ids), dtype))
         x = self.eh_proj(torch.cat((emb, self.hnorm(cast(hidden_states, dtype))), dim=-1))
         # Llama rotates half-split pairs, DeepSeek interleaved ones
-        cos, sin = self.rotary_emb(positions) if self.mla else self.rotary_emb.half_split(positions)
+        cos, sin = self.rotary_emb(positions) if self.mla else self.rotary_emb.tables(positions, x)
         x = self.layer(x, cos, sin, attn, kv_caches[0])
         return self.output(x, attn, logits_indices)
 
