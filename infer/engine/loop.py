@@ -27,6 +27,7 @@ from infer.models.mtp_head import DRAFTER_KINDS, load_head
 from infer.sampler import SamplingTensors, make_generator, sample
 from infer.sampling_params import SamplingParams
 from infer.speculative import DRAFTERS, Drafter, SpecStats, emitted_lists, speculative_decode
+import infer.block_drafter  # noqa: F401,E402 - registers the block head's drafter in DRAFTERS
 
 
 @dataclass
