@@ -94,21 +94,22 @@ def block_token_counts(batch: PackedBatch, plan: BlockPlan, block_size: int) -> 
 
 
 def block_outputs(head: BlockHead, batch: PackedBatch, plan: BlockPlan) -> torch.Tensor:
-    """[N, B, H] every anchor's block output (before final_norm), records in order."""
+    """[N, B, H] every anchor's block output (before final_norm), records in order: the context keys/values are
+    projected once for the packed batch, then each block gathers its record's positions before its anchor (as the
+    runtime gathers its pages)."""
     device = batch.input_ids.device
-    features = head.features(batch.hidden_states, batch.aux_hidden_states)
-    outs = []
-    for offset, length, anchors in zip(plan.offsets, plan.lengths, plan.anchors):
-        if anchors.numel() == 0:
-            continue
-        anchors = anchors.to(device)
-        positions = torch.arange(length, device=device)
-        context = [kv[None] for kv in head.context_kv(features[offset:offset + length], positions)]
-        valid = positions[None, :] < anchors[:, None]  # [n, L] strictly before the anchor
-        block_pos = anchors[:, None] + torch.arange(head.block_size, device=device)
-        x = head.block_inputs(batch.input_ids[offset + anchors])
-        outs.append(head.block_hidden(x, block_pos, context, valid))
-    return torch.cat(outs) if outs else batch.hidden_states.new_zeros(0, head.block_size, head.config.hidden_size)
+    starts = [torch.full((a.numel(),), o, dtype=torch.long) for o, a in zip(plan.offsets, plan.anchors)]
+    if not starts or sum(s.numel() for s in starts) == 0:
+        return batch.hidden_states.new_zeros(0, head.block_size, head.config.hidden_size)
+    offsets, anchors = torch.cat(starts).to(device), torch.cat(plan.anchors).to(device)  # [N]
+    positions = torch.cat([torch.arange(n) for n in batch.seq_lens]).to(device)  # [T] within each record
+    context_kv = head.context_kv(head.features(batch.hidden_states, batch.aux_hidden_states), positions)
+    pos = torch.arange(int(anchors.max()), device=device)
+    valid = pos[None, :] < anchors[:, None]  # [N, L] strictly before the anchor
+    rows = torch.where(valid, offsets[:, None] + pos[None, :], 0)
+    block_pos = anchors[:, None] + torch.arange(head.block_size, device=device)
+    x = head.block_inputs(batch.input_ids[offsets + anchors])
+    return head.block_hidden(x, block_pos, [kv[rows] for kv in context_kv], valid)
 
 
 def position_weights(block_size: int, gamma: float) -> list[float]:

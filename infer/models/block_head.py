@@ -59,6 +59,13 @@ def block_config_fields(target_config: PretrainedConfig, layer_ids: list[int] | 
                 final_norm=True, proj_bias=False, layer_input_norm=True)
 
 
+def block_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
+    """q [N, B, heads, D], k/v [N, S, kv heads, D], mask [N, S] (the keys each block sees) -> [N, B, heads, D]."""
+    out = F.scaled_dot_product_attention(q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2),
+                                         attn_mask=mask[:, None, None, :], enable_gqa=k.shape[2] != q.shape[2])
+    return out.transpose(1, 2)
+
+
 class BlockAttention(nn.Module):
     """q from the block rows; k/v from the context features and from the block rows, by the same projections."""
 
@@ -90,11 +97,8 @@ class BlockAttention(nn.Module):
         k, v = self.kv(flat, cos, sin)
         k = torch.cat((ctx_k.expand(n, -1, -1, -1), k.unflatten(0, (n, b))), dim=1)  # [N, L+B, kvh, D]
         v = torch.cat((ctx_v.expand(n, -1, -1, -1), v.unflatten(0, (n, b))), dim=1)
-        mask = torch.cat((ctx_valid, ctx_valid.new_ones(n, b)), dim=1)[:, None, None, :]  # [N, 1, 1, L+B]
-        out = F.scaled_dot_product_attention(q.unflatten(0, (n, b)).transpose(1, 2), k.transpose(1, 2),
-                                             v.transpose(1, 2), attn_mask=mask,
-                                             enable_gqa=self.num_kv_heads != self.num_heads)
-        return self.o_proj(out.transpose(1, 2).flatten(2))
+        mask = torch.cat((ctx_valid, ctx_valid.new_ones(n, b)), dim=1)  # [N, L+B]
+        return self.o_proj(block_attention(q.unflatten(0, (n, b)), k, v, mask).flatten(2))
 
 
 class BlockDecoderLayer(nn.Module):
