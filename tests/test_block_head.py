@@ -75,7 +75,8 @@ def runtime_acceptance(model, tokenizer, head, k: int) -> dict:
 def test_trainer_replay_equals_runtime_acceptance(stories_model, stories_tokenizer, block_head):
     """The trainer's conditional top-1 at the runtime's verify anchors of the same greedy texts equals the runtime's
     conditional acceptance within GAP_POINTS (the other heads' replay tolerance: near-ties of the paged and packed
-    forwards) at every position reached 30 times or more; the untrained head's replay (control) is far from it."""
+    forwards; one flipped chain moves a position reached n times by 1/n) at every position reached 50 times or more;
+    the untrained head's replay (control) is far from it."""
     k = 7
     runtime = runtime_acceptance(stories_model, stories_tokenizer, block_head, k)
     plain = Engine(stories_model, stories_tokenizer, [2], EngineConfig(backend="torch", page_size=8, num_pages=512))
@@ -87,14 +88,14 @@ def test_trainer_replay_equals_runtime_acceptance(stories_model, stories_tokeniz
           f"replay  {[round(a, 4) for a in replay['at_verify_steps']]} reached {replay['reached']}\n"
           f"control {[round(a, 4) for a in control['at_verify_steps']]}")
 
-    compared = [j for j, n in enumerate(replay["reached"]) if n >= 30]
-    assert len(compared) >= 2
+    compared = [j for j, n in enumerate(replay["reached"]) if n >= 50]
+    assert len(compared) >= 3
     for j in compared:
         assert abs(runtime["conditional_acceptance"][j] - replay["at_verify_steps"][j]) <= GAP_POINTS, j
     assert abs(runtime["conditional_acceptance"][0] - control["at_verify_steps"][0]) > 0.1
 
 
-DIST_N = 2000
+DIST_N = 1200
 
 
 def dist_prompt(model, tokenizer) -> list[int]:
