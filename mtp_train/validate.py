@@ -39,6 +39,7 @@ from infer.engine import Engine
 from infer.kv_cache import pages_needed
 from infer.loader import DTYPES, serve_lean
 from infer.models.common import ModelOutput
+from infer.models.block_head import BlockHead
 from infer.models.mtp_head import DRAFTER_KINDS, DraftHead, attach_to_target, copy_head, load_head
 from infer.parallel import group_of, init_tp, on_rank0, serve_forever, tp_main, whole_weight
 from infer.prompts import VALIDATION_PROMPTS, read_prompt_file
@@ -88,6 +89,11 @@ def trainer_replay(model: nn.Module, head: DraftHead, sequences: list[list[int]]
     lens = [len(seq) for seq in sequences]
     batch = PackedBatch(torch.tensor([t for seq in sequences for t in seq], device=device), out.hidden_states, mask,
                         lens, list(range(len(sequences))), aux)
+    if isinstance(head, BlockHead):  # its own forward: blocks at every anchor (mtp_train.block_unroll)
+        objective = BlockObjective(head, model.model.norm.weight, float(model.config.rms_norm_eps), LossWeights(),
+                                   anchors_per_record=0, gamma=0.0)
+        return {**block_replay(objective, batch, prompt_lens, k),
+                "on": "the plain engine's greedy continuations of the prompts"}
     plan = batch_plan(batch, k)
     counts = step_token_counts(batch, plan, k)
     shared = head.shared

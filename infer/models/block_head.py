@@ -66,6 +66,11 @@ def block_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: tor
     return out.transpose(1, 2)
 
 
+def block_aux_layers(target_config: PretrainedConfig, layer_ids: list[int] | None) -> list[int]:
+    """The infer aux layers (decoder layer i's output) a block head with these ids reads: id - 1 each."""
+    return [i - 1 for i in block_config_fields(target_config, layer_ids, MIN_BLOCK_SIZE, 1)["aux_layer_ids"]]
+
+
 class BlockAttention(nn.Module):
     """q from the block rows; k/v from the context features and from the block rows, by the same projections."""
 
