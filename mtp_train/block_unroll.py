@@ -36,7 +36,7 @@ from infer.models.common import RMSNorm
 from infer.models.block_head import BlockHead
 from mtp_train.data import PackedBatch
 from mtp_train.losses import distill_loss, target_distribution
-from mtp_train.unroll import STATS, LossWeights
+from mtp_train.unroll import STATS, LossWeights, per_step_means
 
 
 @dataclass
@@ -171,11 +171,13 @@ class BlockObjective(nn.Module):
 def block_replay(objective: BlockObjective, batch: PackedBatch, prompt_lens: list[int], k: int) -> dict:
     """The trainer's conditional top-1 per draft position at the anchors a greedy runtime verifies from on these
     (greedy) texts: the first pending token after the prompt, then each accepted drafts + 1 further. On a greedy text
-    the runtime's block at such an anchor reads what the trainer's does, so this is its conditional acceptance."""
+    the runtime's block at such an anchor reads what the trainer's does, so this is its conditional acceptance.
+    Also (mtp_train.validate.trainer_replay's keys) top-1, conditional top-1 and KL over every generated anchor."""
     every = [torch.arange(n, max(length - 1, n)) for n, length in zip(prompt_lens, batch.seq_lens)]
     plan = anchor_plan(batch, 0, anchors=every)
     counts = objective.counts(batch, plan)
-    _, _, agreement = objective(batch, counts, plan, return_agreement=True)
+    _, stats, agreement = objective(batch, counts, plan, return_agreement=True)
+    means = per_step_means(stats.cpu(), counts.cpu())
     agree = torch.stack(agreement, dim=1).cpu()  # [N, B-1], anchors in plan order
     reached, accepted = [0] * k, [0] * k
     row = 0
@@ -192,4 +194,7 @@ def block_replay(objective: BlockObjective, batch: PackedBatch, prompt_lens: lis
                 accepted[drafts] += 1
                 drafts += 1
             anchor += drafts + 1
-    return {"at_verify_steps": [a / n if n else 0.0 for a, n in zip(accepted, reached)], "reached": reached}
+    return {"top1": [round(means[f"top1_{j}"], 4) for j in range(k)],
+            "cond_top1": [round(means[f"cond_top1_{j}"], 4) for j in range(k)],
+            "at_verify_steps": [round(a / n, 4) if n else 0.0 for a, n in zip(accepted, reached)], "reached": reached,
+            "kl": [round(means[f"kl_{j}"], 4) for j in range(k)], "positions": int(counts[0])}

@@ -44,6 +44,7 @@ from infer.models.mtp_head import DRAFTER_KINDS, DraftHead, attach_to_target, co
 from infer.parallel import group_of, init_tp, on_rank0, serve_forever, tp_main, whole_weight
 from infer.prompts import VALIDATION_PROMPTS, read_prompt_file
 from infer.sampling_params import SamplingParams
+from mtp_train.block_unroll import BlockObjective, block_replay
 from mtp_train.data import PackedBatch
 from mtp_train.unroll import LossWeights, UnrolledHead, batch_plan, per_step_means, step_token_counts
 
