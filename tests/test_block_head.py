@@ -10,10 +10,12 @@ import math
 import pytest
 import torch
 
+from infer.bench.forward_costs import ForwardCosts, forward_costs
 from infer.engine import Engine, EngineConfig
 from infer.models.mtp_head import init_head_from_target
 from infer.sampling_params import SamplingParams
 from mtp_train.block_unroll import block_replay
+from mtp_train.export import ExportError, check_exportable
 from mtp_train.validate import GAP_POINTS, packed_target_forward
 from tests.fitted_block_head import fit_block_head, greedy_batch, objective_for
 from tests.test_sampler import ALPHA
@@ -160,3 +162,26 @@ def test_sampled_tokens_follow_the_target(stories_model, stories_tokenizer, stor
     assert abs(z) < 4.5, "draft 1's acceptance is not the one of the q the drafter reported"
     for name, (_, control_p, _) in results.items():
         assert control_p < ALPHA, f"the statistic cannot tell {name} from the target"
+
+
+def test_forward_costs_price_one_block_forward_a_step(stories_model, stories_tokenizer):
+    """infer.bench prices a block head's step as its catch-up, one block forward and the verify, whatever K (a chain
+    head's drafting grows with K: the control)."""
+    head = init_head_from_target(stories_model, "stories260K", "block", block_size=8, num_layers=1)
+    engine = engine_for(stories_model, stories_tokenizer, 7, page_size=8, num_pages=64)
+    engine.attach_drafter("block", head)
+    costs = forward_costs(engine, 2, context=16, repeats=1, num_draft_tokens=7)
+
+    assert costs.one_forward and costs.catch_up is not None and costs.draft > 0
+    assert costs.drafting(1) == costs.drafting(7) == costs.catch_up + costs.draft
+    chain = ForwardCosts(costs.decode, costs.draft, costs.verify, costs.catch_up)
+    assert chain.drafting(7) > chain.drafting(1)
+    printed = ForwardCosts.from_milliseconds(costs.milliseconds(), one_forward=True)  # as infer.bench re-reads rows
+    assert printed.one_forward and printed.drafting(7) == pytest.approx(costs.drafting(7), rel=1e-2)
+
+
+def test_block_heads_export_to_the_runtime_format_only(stories_model):
+    head = init_head_from_target(stories_model, "stories260K", "block", block_size=4)
+    check_exportable(head.config, "runtime")
+    with pytest.raises(ExportError, match="a block head exports to the runtime format only"):
+        check_exportable(head.config, "speculators")
