@@ -36,7 +36,7 @@ from infer.models.common import RMSNorm
 from infer.models.block_head import BlockHead
 from mtp_train.data import PackedBatch
 from mtp_train.losses import distill_loss, target_distribution
-from mtp_train.unroll import STATS, LossWeights, per_step_means
+from mtp_train.unroll import STATS, LossWeights, per_step_means, replay_report, verify_walk
 
 
 @dataclass
@@ -184,17 +184,7 @@ def block_replay(objective: BlockObjective, batch: PackedBatch, prompt_lens: lis
     for anchors, length in zip(plan.anchors, plan.lengths):
         at = {int(a): row + j for j, a in enumerate(anchors.tolist())}
         row += anchors.numel()
-        anchor = int(anchors[0]) if anchors.numel() else length
-        while anchor <= length - 2:
-            drafts = 0
-            while drafts < k and anchor + 1 + drafts <= length - 1:
-                reached[drafts] += 1
-                if not agree[at[anchor], drafts]:
-                    break
-                accepted[drafts] += 1
-                drafts += 1
-            anchor += drafts + 1
-    return {"top1": [round(means[f"top1_{j}"], 4) for j in range(k)],
-            "cond_top1": [round(means[f"cond_top1_{j}"], 4) for j in range(k)],
-            "at_verify_steps": [round(a / n, 4) if n else 0.0 for a, n in zip(accepted, reached)], "reached": reached,
-            "kl": [round(means[f"kl_{j}"], 4) for j in range(k)], "positions": int(counts[0])}
+        if anchors.numel():  # a block at pending position a drafts t_{a+1}, ...
+            verify_walk(lambda anchor, j, at=at: bool(agree[at[anchor], j]), int(anchors[0]), length, k, reached,
+                        accepted)
+    return replay_report(means, accepted, reached, int(counts[0]), k)

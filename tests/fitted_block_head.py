@@ -12,24 +12,8 @@ from infer.engine import Engine
 from infer.models.block_head import BlockHead
 from infer.models.mtp_head import init_head_from_target
 from mtp_train.block_unroll import BlockObjective
-from mtp_train.data import PackedBatch
 from mtp_train.unroll import LossWeights
-from mtp_train.validate import packed_target_forward
-from tests.fitted_head import TRAIN_PROMPTS
-from infer.sampling_params import SamplingParams
-
-
-def greedy_batch(engine: Engine, prompts: list[str], head: BlockHead, max_new_tokens: int = 64,
-                 ) -> tuple[PackedBatch, list[int]]:
-    """The plain engine's greedy continuations packed as the trainer reads them (generated tokens trained)."""
-    requests = engine.generate(prompts, SamplingParams(max_new_tokens=max_new_tokens, ignore_eos=True))
-    sequences, prompt_lens = [r.token_ids for r in requests], [len(r.prompt_ids) for r in requests]
-    target = packed_target_forward(engine.model, sequences, head.target_aux_layers)
-    aux = torch.stack([target.aux_hidden_states[i] for i in head.target_aux_layers], dim=1)
-    trained = torch.cat([torch.arange(len(seq)) >= n for seq, n in zip(sequences, prompt_lens)])
-    batch = PackedBatch(torch.tensor([t for seq in sequences for t in seq]), target.hidden_states, trained,
-                        [len(seq) for seq in sequences], list(range(len(sequences))), aux)
-    return batch, prompt_lens
+from tests.fitted_head import TRAIN_PROMPTS, adam_fit, greedy_batch
 
 
 def objective_for(engine: Engine, head: BlockHead, anchors: int = 16, gamma: float = 7.0) -> BlockObjective:
@@ -42,15 +26,8 @@ def fit_block_head(engine: Engine, block_size: int = 16, num_layers: int = 1, st
                    seed: int = 0) -> BlockHead:
     torch.manual_seed(seed)
     head = init_head_from_target(engine.model, "stories260K", "block", block_size=block_size, num_layers=num_layers)
-    batch, _ = greedy_batch(engine, TRAIN_PROMPTS[:8], head)
+    batch, _ = greedy_batch(engine, TRAIN_PROMPTS[:8], head.target_aux_layers)
     head.train().requires_grad_(True)
     objective = objective_for(engine, head)
     plan = objective.plan(batch)
-    counts = objective.counts(batch, plan)
-    optimizer = torch.optim.Adam([p for p in head.parameters() if p.requires_grad], lr=lr)
-    for _ in range(steps):
-        loss, _ = objective(batch, counts, plan)
-        optimizer.zero_grad()
-        loss.backward()
-        optimizer.step()
-    return head.eval().requires_grad_(False)
+    return adam_fit(head, objective, batch, plan, objective.counts(batch, plan), steps, lr)

@@ -17,9 +17,9 @@ from infer.sampling_params import SamplingParams
 from mtp_train.block_unroll import block_replay
 from mtp_train.export import ExportError, check_exportable
 from mtp_train.validate import GAP_POINTS, packed_target_forward
-from tests.fitted_block_head import fit_block_head, greedy_batch, objective_for
+from tests.fitted_block_head import fit_block_head, objective_for
 from tests.test_sampler import ALPHA
-from tests.fitted_head import TRAIN_PROMPTS
+from tests.fitted_head import TRAIN_PROMPTS, greedy_batch
 from tests.test_speculative import assert_greedy_identical, drive
 from tests.test_speculative_sampling import filtered_rows, pooled_chi_square, target_conditionals
 
@@ -82,7 +82,7 @@ def test_trainer_replay_equals_runtime_acceptance(stories_model, stories_tokeniz
     k = 7
     runtime = runtime_acceptance(stories_model, stories_tokenizer, block_head, k)
     plain = Engine(stories_model, stories_tokenizer, [2], EngineConfig(backend="torch", page_size=8, num_pages=512))
-    batch, prompt_lens = greedy_batch(plain, REPLAY_PROMPTS, block_head)
+    batch, prompt_lens = greedy_batch(plain, REPLAY_PROMPTS, block_head.target_aux_layers)
     replay = block_replay(objective_for(plain, block_head), batch, prompt_lens, k)
     untrained = init_head_from_target(stories_model, "stories260K", "block", block_size=BLOCK, num_layers=1)
     control = block_replay(objective_for(plain, untrained), batch, prompt_lens, k)
