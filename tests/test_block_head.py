@@ -97,7 +97,7 @@ def test_trainer_replay_equals_runtime_acceptance(stories_model, stories_tokeniz
     assert abs(runtime["conditional_acceptance"][0] - control["at_verify_steps"][0]) > 0.1
 
 
-DIST_N = 1200
+DIST_N = 1000
 
 
 def dist_prompt(model, tokenizer) -> list[int]:
