@@ -9,10 +9,11 @@ rewrites those slots before they are settled.
 A step (`draft`): one forward of the block, B rows a request at positions p..p+B-1 (p = num_computed, the pending
 token's position) reading the context slots 0..p-1 gathered from the pages; its rows 1..K give the K drafts, then
 `speculative_decode` verifies them in one target forward of K+1 rows. K may be below the head's B-1 (its first K
-drafts). By default (`short_blocks`) a step of K drafts runs K + 1 rows, so that the forward costs with K: the
-mask rows all hold the same embedding, hence the same values (their keys differ by position alone), and dropping the
-trailing ones left acceptance unchanged on the stories260K head (tau 2.28 vs 2.28 at K=3, 2.35 vs 2.35 at K=7, 32
-held-out openings x 128 tokens); `short_blocks=False` runs the trained block whatever K, as DFlash does.
+drafts of the trained block, as DFlash runs it). With `short_blocks` a step of K drafts runs K + 1 rows instead, so
+that the forward costs with K: the mask rows all hold the same embedding, hence the same values, and dropping the
+trailing ones left acceptance unchanged on the pipeline's stories260K head (tau 2.28 vs 2.28 at K=3, 2.35 vs 2.35 at
+K=7, 32 held-out openings x 128 tokens) but collapsed the first draft of the small head the tests fit (0.46 -> 0.0 at
+K=2): a block shorter than trained is off the training distribution, so it is an option, not the default.
 
 Proposals at T>0: the argmax of each row with a one-hot q (`sample_drafts=False`, the default: DFlash's finding
 that independent per-position draws collapse acceptance, since row k's distribution is a marginal, not conditioned
@@ -37,7 +38,7 @@ class BlockDrafter(Drafter):
     needs_hidden_states = True
 
     def __init__(self, model: torch.nn.Module, num_pages: int, page_size: int, backend: str,
-                 sample_drafts: bool = False, short_blocks: bool = True) -> None:
+                 sample_drafts: bool = False, short_blocks: bool = False) -> None:
         super().__init__(model, num_pages, page_size, backend)
         self.target_aux_layers = tuple(model.target_aux_layers)
         self.block_size = int(model.config.block_size)

@@ -109,14 +109,14 @@ def dist_prompt(model, tokenizer) -> list[int]:
 
 
 @torch.no_grad()
-def block_second_token_logits(model, head, prompt: list[int]) -> torch.Tensor:
-    """[V, V] the logits of the block's first draft (the second token) for every first token t1."""
+def block_second_token_logits(model, head, prompt: list[int], rows: int) -> torch.Tensor:
+    """[V, V] the logits of the first draft (the second token) of a block of `rows` rows, for every first token t1."""
     out = packed_target_forward(model, [prompt], head.target_aux_layers)
     aux = torch.stack([out.aux_hidden_states[i] for i in head.target_aux_layers], dim=1)
     positions = torch.arange(len(prompt))
     context = [kv[None] for kv in head.context_kv(head.features(out.hidden_states, aux), positions)]
     vocab = model.config.vocab_size
-    block_pos = (len(prompt) + torch.arange(head.block_size)).expand(vocab, -1)
+    block_pos = (len(prompt) + torch.arange(rows)).expand(vocab, -1)
     return head(torch.arange(vocab), block_pos, context, torch.ones(vocab, len(prompt), dtype=torch.bool))[:, 0]
 
 
@@ -142,7 +142,7 @@ def test_sampled_tokens_follow_the_target(stories_model, stories_tokenizer, stor
     counts = torch.bincount(pairs[:, 0] * vocab + pairs[:, 1], minlength=vocab * vocab)
 
     p1, p2 = target_conditionals(stories_reference, prompt, setting)
-    logits = block_second_token_logits(stories_model, block_head, prompt)
+    logits = block_second_token_logits(stories_model, block_head, prompt, engine.drafter.block_rows(2))
     if sample_drafts:
         q2 = filtered_rows(logits, setting, p1 > 0)
     else:
