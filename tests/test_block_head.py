@@ -60,11 +60,10 @@ def test_greedy_identical_to_plain_decoding(stories_model, stories_tokenizer, bl
 
 def test_block_size_is_checked(stories_model, stories_tokenizer, block_head):
     engine = engine_for(stories_model, stories_tokenizer, BLOCK, page_size=8, num_pages=64)
-    engine.attach_drafter("block", block_head)
-    engine.add_request([1, 2, 3], SamplingParams(max_new_tokens=4))
-    with pytest.raises(ValueError, match="num_draft_tokens=16: a block head of block_size 16"):
-        while engine.has_unfinished():
-            engine.step()
+    with pytest.raises(ValueError, match="num_draft_tokens=16: this block head \\(block_size 16\\) drafts 1..15"):
+        engine.attach_drafter("block", block_head)
+    engine.num_draft_tokens = BLOCK - 1
+    engine.attach_drafter("block", block_head)  # the largest K it drafts
 
 
 def runtime_acceptance(model, tokenizer, head, k: int) -> dict:
