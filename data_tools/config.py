@@ -71,7 +71,7 @@ class HeadLoss:
 class HeadConfig:
     """conf/head/*.yaml. The precompute reads it too: an EAGLE-3 head's layer_ids are the aux layers it stores."""
 
-    architecture: str = field(default="mtp", metadata=one_of("mtp", "eagle1", "eagle3"))
+    architecture: str = field(default="mtp", metadata=one_of("mtp", "eagle1", "eagle3", "block"))
     enorm: bool = True
     hnorm: bool = True
     final_norm: bool = True
@@ -94,6 +94,13 @@ class HeadConfig:
     trainable_lm_head: bool = False
     num_key_value_heads: Optional[int] = field(default=None, metadata=at_least(1))  # EAGLE-3's (null: the target's)
     norm_before_residual: bool = False  # EAGLE-3: its residual starts from the normed fused state (conf/head/eagle3)
+    # block heads (infer/models/block_head.py; layer_ids as EAGLE-3's): rows of the query block (block_size - 1
+    # drafts a forward), decoder layers, anchors drawn a record, and the per-position loss weights exp(-(k-1)/gamma)
+    # (gamma <= 0: equal weights)
+    block_size: int = field(default=16, metadata=at_least(2, max=64))
+    num_layers: int = field(default=1, metadata=at_least(1, max=16))
+    anchors_per_record: int = field(default=32, metadata=at_least(1))
+    gamma: float = 7.0
 
 
 # --- precompute -----------------------------------------------------------------------------------------------

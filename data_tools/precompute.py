@@ -54,6 +54,7 @@ from infer.cli import run_cli
 from infer.kv_cache import PagePool, PageTable, build_page_metadata, pages_needed
 from infer.loader import DTYPES, load_config, load_model, safetensors_files
 from infer.model_runner import ModelRunner
+from infer.models.block_head import block_aux_layers
 from infer.models.eagle3_head import head_aux_layers
 from infer.models.head_base import HeadLoadError
 from infer.parallel import init_tp, on_rank0
@@ -301,9 +302,10 @@ def _validate(cfg: DictConfig, model_config) -> tuple[torch.dtype, torch.dtype, 
     bad = [x for x in aux_layers if not 0 <= x < num_layers]
     if bad or len(set(aux_layers)) != len(aux_layers):
         raise DataError(f"precompute.aux_layers must be distinct layer indices in [0, {num_layers}), got {aux_layers}")
-    if cfg.head.architecture == "eagle3":
+    if cfg.head.architecture in ("eagle3", "block"):
         try:
-            aux_layers += head_aux_layers(model_config, cfg.head.layer_ids)
+            aux_layers += (head_aux_layers(model_config, cfg.head.layer_ids) if cfg.head.architecture == "eagle3"
+                           else block_aux_layers(model_config, cfg.head.layer_ids))
         except HeadLoadError as err:
             raise DataError(str(err)) from err
     return DTYPES[pc.dtype], DTYPES[pc.model_dtype], sorted(set(aux_layers))

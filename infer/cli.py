@@ -60,9 +60,10 @@ def add_engine_args(parser: argparse.ArgumentParser) -> None:
 
 def add_spec_args(parser: argparse.ArgumentParser) -> None:
     group = parser.add_argument_group("speculative decoding")
-    group.add_argument("--spec", choices=["none", "draft", "mtp"], default="none",
-                       help="draft: a smaller LM folder proposes; mtp: a head folder proposes (MTP, EAGLE-1 or "
-                            "EAGLE-3, from its config) (default none)")
+    group.add_argument("--spec", choices=["none", "draft", "mtp", "block"], default="none",
+                       help="draft: a smaller LM folder proposes; mtp: a head folder proposes (MTP, EAGLE-1, EAGLE-3 "
+                            "or block, from its config); block: a block head, K drafts from one forward (default "
+                            "none)")
     group.add_argument("--draft", type=Path, help="the draft LM folder (--spec draft) or head folder (--spec mtp)")
     group.add_argument("--num-draft-tokens", type=int, default=None,
                        help="K, tokens proposed per step (default: the head's recommended K for the batch, else 4; "
@@ -82,7 +83,7 @@ def attach_spec(engine, args: argparse.Namespace, batch_size: int) -> None:
         raise CliError(f"--spec {args.spec} needs --draft DIR")
     k = args.num_draft_tokens
     if k is None:
-        recommended = read_head_config(args.draft).num_draft_tokens_for(batch_size) if args.spec == "mtp" else None
+        recommended = read_head_config(args.draft).num_draft_tokens_for(batch_size) if args.spec != "draft" else None
         if recommended == 0:
             if parallel.current().rank == 0:
                 print(f"note: {args.draft}'s validation predicts that no K beats plain decoding at batch {batch_size} "

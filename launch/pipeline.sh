@@ -35,11 +35,12 @@ case "$RECIPE" in
   *) echo "pipeline: RECIPE=$RECIPE; the recipes are: quick best" >&2; exit 2 ;;
 esac
 STEPS=${STEPS:-}               # optimizer steps per head (best: conf/recipe/stories260k.yaml's)
-HEADS=${HEADS:-mtp eagle3}     # heads to train on the same features: mtp, eagle3, eagle1
+HEADS=${HEADS:-mtp eagle3}     # heads to train on the same features: mtp, eagle3, eagle1, block
 BATCH=${BATCH:-16}             # records per optimizer step of a head, over all its processes (the recipe's global batch)
 JOBS=${JOBS:-}                 # heads trained at once (default: on a CPU, one per core; on GPUs, one)
 NPROC=${NPROC:-}               # torchrun processes per head (default: on a CPU, its cores / JOBS; else every GPU)
 K=${K:-4}                      # draft tokens per step when validating
+BLOCK_K=${BLOCK_K:-15}         # the block head's (its block_size - 1: its acceptance at every position it drafts)
 THREADS=${THREADS:-1}          # torch threads per process: tiny models run best on one
 AUTOCAST=${AUTOCAST:-auto}     # heads' linear layers in bf16 (trainer.autocast): auto = where bf16 matmuls are native
 ONLINE=${ONLINE:-0}            # 1: features computed in the training job (features=online), nothing precomputed
@@ -137,7 +138,7 @@ build_head() {
     loss.chain_share="$CHAIN_SHARE" "${steps[@]}"
   stamp "validate the $head head in infer/" >&3
   python -m mtp_train.validate --target "$MODEL" --head "$run/head" --run-dir "$run" --out "$run/validation" \
-    --num-draft-tokens "$K" --threads "$THREADS"
+    --num-draft-tokens "$(if [ "$head" = block ]; then echo "$BLOCK_K"; else echo "$K"; fi)" --threads "$THREADS"
   if [ "$head" = eagle3 ]; then
     formats+=(speculators)
     if python -c "import json, sys; sys.exit(json.load(open(sys.argv[1])).get('norm_before_residual', False))" \

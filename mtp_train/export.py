@@ -182,6 +182,9 @@ def check_exportable(config: MTPHeadConfig, fmt: str, num_target_layers: int | N
     num_target_layers (known when the target is given) rules out an EAGLE-3 id the engines cannot capture."""
     if fmt == "runtime":
         return
+    if config.architecture == "block":
+        raise ExportError(f"a block head exports to the runtime format only: the {fmt!r} format holds another "
+                          "architecture (the speculators dflash and SGLang DFLASH layouts are not written yet)")
     if config.architecture == "eagle3":
         if fmt not in EAGLE3_FORMATS:
             raise ExportError(f"an EAGLE-3 head exports to the runtime, eagle3 or speculators format, not "

@@ -5,6 +5,9 @@ Architectures (conf/head/*.yaml; each norm and the projection bias can still be 
   eagle1  h'_i = layer(W [Emb(t_{i+1}); h_i] + b), no norms, as EAGLE-1
   eagle3  fc(three target layers), a layer reading [norm(Emb); norm(state)], final_norm, a draft vocabulary's
           lm_head rows (infer.models.eagle3_head); the vocabulary is chosen by the trainer (mtp_train.draft_vocab)
+  block   fc + hidden_norm of target layers as context keys/values, a query block [token, mask x (B-1)] through
+          head.num_layers layers, B-1 drafts a forward (infer.models.block_head; trained by mtp_train.block_unroll;
+          from_target_last_layer starts every layer as the target's last one, random draws them)
 The decoder layer is of the target's kind: a Llama layer, or for DeepSeek-V2 an MLA layer with a dense MLP (or
 the target's MoE, head.mlp=moe; EAGLE-3: Llama targets only). head.hidden_state=post_norm feeds the head norm(h_i),
 the target's final norm applied to the stored states (no new precompute), as the runtime does at serving.
@@ -47,8 +50,12 @@ def head_config(config: PretrainedConfig, head_cfg: HeadConfig, identity: dict) 
     """MTPHeadConfig for a target config and a conf/head entry (its switches as given, not the defaults).
 
     head.architecture and head.init were checked when the config was composed (data_tools.config.HeadConfig)."""
-    eagle3 = head_cfg.architecture == "eagle3"
-    layer_ids = list(head_cfg.layer_ids) if eagle3 and head_cfg.layer_ids is not None else None
+    eagle3, block = head_cfg.architecture == "eagle3", head_cfg.architecture == "block"
+    layer_ids = list(head_cfg.layer_ids) if (eagle3 or block) and head_cfg.layer_ids is not None else None
+    if block:
+        return head_config_for(config, identity, "block", layer_ids=layer_ids,
+                               intermediate_size=head_cfg.intermediate_size, block_size=head_cfg.block_size,
+                               num_layers=head_cfg.num_layers)
     return head_config_for(config, identity, head_cfg.architecture, head_cfg.hidden_state, head_cfg.mlp,
                            layer_ids=layer_ids, intermediate_size=head_cfg.intermediate_size,
                            num_key_value_heads=head_cfg.num_key_value_heads,
@@ -148,7 +155,16 @@ def init_head(head: DraftHead, target: Target, init: str, path: str) -> None:
     width = head.config.decoder_config().intermediate_size
     std = float(getattr(target.config, "initializer_range", 0.02))
     with torch.no_grad():
-        if init == "from_target_last_layer" and head.config.architecture == "eagle3":
+        if init == "from_target_last_layer" and head.config.architecture == "block":
+            with torch.device("meta"):
+                names = [name for name, _ in LlamaDecoderLayer(head.config.decoder_config()).named_parameters()]
+            head.load_target_layer(widen_mlp(layer_state_from_checkpoint(path, target.config, names), width, std))
+            head.final_norm.weight.copy_(target.norm_weight)
+        elif head.config.architecture == "block":
+            for layer in head.layers:
+                init_random(layer, std)
+            head.final_norm.weight.fill_(1.0)
+        elif init == "from_target_last_layer" and head.config.architecture == "eagle3":
             with torch.device("meta"):  # the names of a target layer, to read from the checkpoint
                 names = [name for name, _ in LlamaDecoderLayer(head.config.decoder_config()).named_parameters()]
             head.load_target_layer(widen_mlp(layer_state_from_checkpoint(path, target.config, names), width, std))

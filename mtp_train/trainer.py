@@ -30,6 +30,7 @@ from infer.prompts import PromptFileError, read_prompt_file
 from mtp_train import checkpoint, distributed, draft_vocab
 from mtp_train.config import TrainConfig
 from mtp_train.data import FeatureError, MicroBatches, eval_batches, open_features, reaching_every_step, split_records
+from mtp_train.block_unroll import BlockObjective
 from mtp_train.heads import build_head
 from mtp_train.metrics import Metrics, PhaseTimer
 from mtp_train.online import OnlineError, OnlineFeatures, check_online, copy_group
@@ -83,8 +84,14 @@ class Trainer:
         self.frozen_sha256 = self.frozen_fingerprint()  # compared at the end: the shared tensors never change
         self.head = build_head(self.target, cfg.head, cfg.model.path, self.dtype).to(self.device)
         self.num_steps = cfg.loss.unroll_steps
-        self.objective = UnrolledHead(self.head, self.target.norm_weight, self.target.eps, self.num_steps,
-                                      LossWeights.from_config(cfg.loss), autocast=t.autocast)
+        if cfg.head.architecture == "block":  # B-1 block positions stand for the unroll steps in every report
+            self.num_steps = cfg.head.block_size - 1
+            self.objective = BlockObjective(self.head, self.target.norm_weight, self.target.eps,
+                                            LossWeights.from_config(cfg.loss), cfg.head.anchors_per_record,
+                                            cfg.head.gamma, cfg.seed)
+        else:
+            self.objective = UnrolledHead(self.head, self.target.norm_weight, self.target.eps, self.num_steps,
+                                          LossWeights.from_config(cfg.loss), autocast=t.autocast)
 
         dataset = self.open_dataset()
         train_ids, eval_ids = self.long_enough(dataset, *split_records(len(dataset), cfg.eval_records, cfg.seed))
@@ -95,7 +102,7 @@ class Trainer:
                                           self.world, t.pad_tokens_to, cfg.loss.chain_share,
                                           cfg.loss.unroll_steps)
         self.eval_set = eval_batches(dataset, eval_ids, t.micro_batch_size, t.seq_len, self.rank, self.world)
-        self.eval_plans = [batch_plan(b, self.num_steps) for b in self.eval_set]
+        self.eval_plans = [self.plan(b) for b in self.eval_set]
         self.identity = self.run_identity(dataset)
 
         self.zero_head = distributed.ZeroHead(self.objective, param_groups(self.head, t.weight_decay),
@@ -175,8 +182,20 @@ class Trainer:
         }
 
     # --- one optimizer step ----------------------------------------------------------------------------
+    def plan(self, batch):
+        """A micro batch's index plan: the unroll's, or the block head's anchors."""
+        if isinstance(self.objective, BlockObjective):
+            return self.objective.plan(batch)
+        return batch_plan(batch, self.num_steps)
+
+    def counts(self, batch, plan) -> torch.Tensor:
+        """[num_steps] trained positions per step (block: per block position) of a planned micro batch."""
+        if isinstance(self.objective, BlockObjective):
+            return self.objective.counts(batch, plan)
+        return step_token_counts(batch, plan, self.num_steps)
+
     def normalisers(self, batches, plans) -> torch.Tensor:
-        counts = sum(step_token_counts(b, plan, self.num_steps) for b, plan in zip(batches, plans))
+        counts = sum(self.counts(b, plan) for b, plan in zip(batches, plans))
         counts = distributed.all_reduce_sum(counts.to(self.device))
         return counts / (self.world * len(batches))  # DeepSpeed's averaging over ranks and micro batches undone
 
@@ -186,7 +205,7 @@ class Trainer:
         phases = PhaseTimer(self.device, self.cfg.trainer.time_phases)
         batches = [self.micro_batches(self.step * accum + a) for a in range(accum)]
         phases.lap("data_s")  # online: the target's forwards (target_forward_s of them); offline: reading features
-        plans = [batch_plan(b, self.num_steps) for b in batches]  # once per micro batch: counted, then unrolled
+        plans = [self.plan(b) for b in batches]  # once per micro batch: counted, then unrolled
         norms = self.normalisers(batches, plans)
         totals = torch.zeros(self.num_steps, len(STATS), device=self.device)
         loss_sum = torch.zeros((), device=self.device)
@@ -219,7 +238,7 @@ class Trainer:
     @torch.no_grad()
     def evaluate(self) -> dict:
         self.zero_head.eval()
-        counts = sum((step_token_counts(b, plan, self.num_steps) for b, plan in zip(self.eval_set, self.eval_plans)),
+        counts = sum((self.counts(b, plan) for b, plan in zip(self.eval_set, self.eval_plans)),
                      torch.zeros(self.num_steps))
         counts = distributed.all_reduce_sum(counts.to(self.device))
         totals, loss = torch.zeros(self.num_steps, len(STATS), device=self.device), torch.zeros((), device=self.device)

@@ -215,3 +215,29 @@ def per_step_means(sums: torch.Tensor, counts: torch.Tensor) -> dict:
         out.update({f"kl_{k}": kl / n, f"ce_{k}": ce / n, f"top1_{k}": agree / n, f"tv_{k}": tv / n,
                     f"feature_{k}": feat / n, f"cond_top1_{k}": reached_top1 / max(reached, 1.0)})
     return out
+
+
+def verify_walk(agrees, first: int, length: int, k: int, reached: list[int], accepted: list[int]) -> None:
+    """Walk a greedy runtime's verify steps over one text of `length` tokens from anchor `first`, counting per draft
+    position the steps that reached it and those that accepted it: agrees(anchor, j) says whether draft j + 1 at
+    that anchor is the text's token (at anchor + 1 + j); a step moves the anchor by its accepted drafts + 1."""
+    anchor = first
+    while anchor <= length - 2:  # the first draft at this anchor has a target inside the text
+        drafts = 0
+        while drafts < k and anchor + 1 + drafts <= length - 1:
+            reached[drafts] += 1
+            if not agrees(anchor, drafts):
+                break
+            accepted[drafts] += 1
+            drafts += 1
+        anchor += drafts + 1
+
+
+def replay_report(means: dict, accepted: list[int], reached: list[int], positions: int, k: int) -> dict:
+    """The replay's figures (mtp_train.validate.trainer_replay): per draft position, the trainer's top-1 and
+    conditional top-1 over every anchor, its conditional top-1 at the runtime's verify steps, and KL."""
+    return {"top1": [round(means[f"top1_{j}"], 4) for j in range(k)],
+            "cond_top1": [round(means[f"cond_top1_{j}"], 4) for j in range(k)],
+            "at_verify_steps": [round(a / n, 4) if n else 0.0 for a, n in zip(accepted, reached)], "reached": reached,
+            "kl": [round(means[f"kl_{j}"], 4) for j in range(k)], "positions": positions,
+            "on": "the plain engine's greedy continuations of the prompts"}

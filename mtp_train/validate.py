@@ -39,12 +39,16 @@ from infer.engine import Engine
 from infer.kv_cache import pages_needed
 from infer.loader import DTYPES, serve_lean
 from infer.models.common import ModelOutput
+from infer.models.block_head import BlockHead
 from infer.models.mtp_head import DRAFTER_KINDS, DraftHead, attach_to_target, copy_head, load_head
 from infer.parallel import group_of, init_tp, on_rank0, serve_forever, tp_main, whole_weight
 from infer.prompts import VALIDATION_PROMPTS, read_prompt_file
 from infer.sampling_params import SamplingParams
+from mtp_train.block_unroll import BlockObjective, block_replay
 from mtp_train.data import PackedBatch
-from mtp_train.unroll import LossWeights, UnrolledHead, batch_plan, per_step_means, step_token_counts
+from mtp_train.unroll import (
+    LossWeights, UnrolledHead, batch_plan, per_step_means, replay_report, step_token_counts, verify_walk,
+)
 
 GAP_POINTS = 0.02  # trainer conditional top-1 vs runtime greedy conditional acceptance, per position
 
@@ -88,6 +92,10 @@ def trainer_replay(model: nn.Module, head: DraftHead, sequences: list[list[int]]
     lens = [len(seq) for seq in sequences]
     batch = PackedBatch(torch.tensor([t for seq in sequences for t in seq], device=device), out.hidden_states, mask,
                         lens, list(range(len(sequences))), aux)
+    if isinstance(head, BlockHead):  # its own forward: blocks at every anchor (mtp_train.block_unroll)
+        objective = BlockObjective(head, model.model.norm.weight, float(model.config.rms_norm_eps), LossWeights(),
+                                   anchors_per_record=0, gamma=0.0)
+        return block_replay(objective, batch, prompt_lens, k)
     plan = batch_plan(batch, k)
     counts = step_token_counts(batch, plan, k)
     shared = head.shared
@@ -106,22 +114,9 @@ def trainer_replay(model: nn.Module, head: DraftHead, sequences: list[list[int]]
         for r, rows in zip(step.records, agree.split(step.seq_lens)):
             per_record[r][j] = rows.tolist()
     reached, accepted = [0] * k, [0] * k
-    for agree, length, prompt_len in zip(per_record, lens, prompt_lens):
-        anchor = prompt_len - 1
-        while anchor <= length - 2:  # step 0 at this anchor has a target inside the text
-            drafts = 0
-            while drafts < k and anchor + 1 + drafts <= length - 1:
-                reached[drafts] += 1
-                if not agree[drafts][anchor]:
-                    break
-                accepted[drafts] += 1
-                drafts += 1
-            anchor += drafts + 1
-    return {"top1": [round(means[f"top1_{j}"], 4) for j in range(k)],
-            "cond_top1": [round(means[f"cond_top1_{j}"], 4) for j in range(k)],
-            "at_verify_steps": [round(a / n, 4) if n else 0.0 for a, n in zip(accepted, reached)],
-            "kl": [round(means[f"kl_{j}"], 4) for j in range(k)], "positions": int(counts[0]),
-            "on": "the plain engine's greedy continuations of the prompts"}
+    for agree, length, prompt_len in zip(per_record, lens, prompt_lens):  # an anchor i drafts t_{i+2}, ...
+        verify_walk(lambda anchor, j, agree=agree: agree[j][anchor], prompt_len - 1, length, k, reached, accepted)
+    return replay_report(means, accepted, reached, int(counts[0]), k)
 
 
 def replay_gap(replay: dict, greedy_run: dict | None, threshold: float = GAP_POINTS) -> tuple[list[float], bool]:

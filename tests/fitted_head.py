@@ -18,26 +18,38 @@ from mtp_train.validate import packed_target_forward
 TRAIN_PROMPTS = VALIDATION_PROMPTS[16:32]  # apart from the openings tests validate on (the first ones)
 
 
+def greedy_batch(engine: Engine, prompts: list[str], aux_layers: tuple[int, ...], max_new_tokens: int = 64,
+                 ) -> tuple[PackedBatch, list[int]]:
+    """The plain engine's greedy continuations packed as the trainer reads them (the generated tokens trained), with
+    the target's aux layers a head reads; and the prompts' lengths."""
+    requests = engine.generate(prompts, SamplingParams(max_new_tokens=max_new_tokens, ignore_eos=True))
+    sequences, prompt_lens = [r.token_ids for r in requests], [len(r.prompt_ids) for r in requests]
+    target = packed_target_forward(engine.model, sequences, aux_layers)
+    aux = torch.stack([target.aux_hidden_states[i] for i in aux_layers], dim=1) if aux_layers else None
+    trained = torch.cat([torch.arange(len(seq)) >= n for seq, n in zip(sequences, prompt_lens)])
+    batch = PackedBatch(torch.tensor([t for seq in sequences for t in seq]), target.hidden_states, trained,
+                        [len(seq) for seq in sequences], list(range(len(sequences))), aux)
+    return batch, prompt_lens
+
+
 def fit_head(engine: Engine, head: DraftHead | None = None, steps: int = 30, k: int = 3, lr: float = 1e-2,
              seed: int = 0) -> DraftHead:
     """`head` (default: an MTP head from the target's last layer) fitted `steps` Adam steps on 16 greedy
     continuations of 64 tokens; an EAGLE-3 head reads the target layers it fuses."""
     torch.manual_seed(seed)
     model = engine.model
-    requests = engine.generate(TRAIN_PROMPTS, SamplingParams(max_new_tokens=64, ignore_eos=True))
-    sequences, prompt_lens = [r.token_ids for r in requests], [len(r.prompt_ids) for r in requests]
     head = init_head_from_target(model, "stories260K") if head is None else head
+    batch, _ = greedy_batch(engine, TRAIN_PROMPTS, head.target_aux_layers)
     head.train().requires_grad_(True)
-    target = packed_target_forward(model, sequences, head.target_aux_layers)
-    aux = (torch.stack([target.aux_hidden_states[i] for i in head.target_aux_layers], dim=1)
-           if head.target_aux_layers else None)
-    trained = torch.cat([torch.arange(len(seq)) >= n for seq, n in zip(sequences, prompt_lens)])
-    batch = PackedBatch(torch.tensor([t for seq in sequences for t in seq]), target.hidden_states, trained,
-                        [len(seq) for seq in sequences], list(range(len(sequences))), aux)
     objective = UnrolledHead(head, model.model.norm.weight, float(model.config.rms_norm_eps), k, LossWeights())
-    optimizer = torch.optim.Adam([p for p in head.parameters() if p.requires_grad], lr=lr)
     plan = batch_plan(batch, k)
-    counts = step_token_counts(batch, plan, k)
+    return adam_fit(head, objective, batch, plan, step_token_counts(batch, plan, k), steps, lr)
+
+
+def adam_fit(head: DraftHead, objective: torch.nn.Module, batch: PackedBatch, plan, counts: torch.Tensor, steps: int,
+             lr: float) -> DraftHead:
+    """`steps` Adam steps of `objective` (the trainer's module for the head) on one planned batch; the head frozen."""
+    optimizer = torch.optim.Adam([p for p in head.parameters() if p.requires_grad], lr=lr)
     for _ in range(steps):
         loss, _ = objective(batch, counts, plan)
         optimizer.zero_grad()

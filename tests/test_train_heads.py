@@ -71,7 +71,7 @@ def test_cfg_job_prints_the_composed_config():
 def test_unknown_head_is_a_clear_error(stories_hf_dir):
     with pytest.raises(Exception, match="head/foo"):
         compose(["head=foo"])
-    with pytest.raises(ConfigError, match="head.architecture must be one of mtp, eagle1, eagle3, got 'medusa'"):
+    with pytest.raises(ConfigError, match="head.architecture must be one of mtp, eagle1, eagle3, block, got 'medusa'"):
         _cfg(stories_hf_dir, ["head.architecture=medusa"])
 
 

@@ -191,6 +191,7 @@ def spec_row(plain: Engine, spec: Engine, batch: list[str], params: SamplingPara
         "conditional_acceptance": result.stats["conditional_acceptance"],
         "ideal_speedup": round(share.ideal, 3), "achieved_over_ideal": round(share.achieved_over_ideal, 3),
         "cost_context": context, **{f"t_{name}_ms": ms for name, ms in costs.milliseconds().items()},
+        "one_draft_forward": costs.one_forward,
         "ideal_speedup_alone": round(alone.ideal, 3), "achieved_over_ideal_alone": round(alone.achieved_over_ideal, 3),
         "ideal_speedup_with_tail": round(with_tail.ideal, 3),
         "achieved_over_ideal_with_tail": round(with_tail.achieved_over_ideal, 3),
@@ -220,7 +221,8 @@ def recommendations(rows: list[dict]) -> list[dict]:
     for key in sorted({(r["temperature"], r["batch_size"]) for r in rows}):
         sweep = {r["k"]: r for r in rows if (r["temperature"], r["batch_size"]) == key}
         largest = sweep[max(sweep)]
-        costs = {k: ForwardCosts.from_milliseconds({f.name: r.get(f"t_{f.name}_ms") for f in fields(ForwardCosts)})
+        costs = {k: ForwardCosts.from_milliseconds({f.name: r.get(f"t_{f.name}_ms") for f in fields(ForwardCosts)},
+                                                   one_forward=r.get("one_draft_forward", False))
                  for k, r in sweep.items()}
         # the step overhead, fitted through the smallest and the largest K's runs only: the Ks between are a check
         ends = {k: (sweep[k]["plain_tok_s"], sweep[k]["spec_tok_s"], sweep[k]["tau"]) for k in (min(sweep), max(sweep))}
@@ -285,9 +287,11 @@ def main(argv: list[str] | None = None) -> int:
                         help="interleaved pairs of runs per measurement: tokens/s are the fastest run's, ratios the "
                              "median pair's (default 5)")
     parser.add_argument("--json", action="store_true", help="print only the JSON result")
-    parser.add_argument("--spec", choices=["none", "draft", "mtp"], default="none",
-                        help="benchmark speculative decoding with this drafter instead of comparing to transformers")
-    parser.add_argument("--draft", type=Path, help="draft LM folder (--spec draft) or MTP head folder (--spec mtp)")
+    parser.add_argument("--spec", choices=["none", "draft", "mtp", "block"], default="none",
+                        help="benchmark speculative decoding with this drafter instead of comparing to transformers "
+                             "(mtp: any head folder, its architecture picks the drafter; block: a block head, which "
+                             "drafts K tokens from one forward, K up to its block_size - 1)")
+    parser.add_argument("--draft", type=Path, help="draft LM folder (--spec draft) or head folder (--spec mtp, block)")
     parser.add_argument("--num-draft-tokens", default="1,2,3,4", help="comma-separated K values (default 1,2,3,4)")
     parser.add_argument("--temperatures", default="0", help="comma-separated temperatures for --spec (default 0)")
     parser.add_argument("--arrivals", type=int, default=4,

@@ -33,26 +33,32 @@ class ForwardCosts:
     draft_alone: float | None = None
     verify_alone: float | None = None
     catch_up_alone: float | None = None
+    one_forward: bool = False  # a block head (infer.block_drafter): one draft forward a step, whatever K
 
     def drafting(self, k: int) -> float:
-        """Seconds of a step's K drafter forwards: a head's catch-up and K-1 drafts, or a draft LM's K drafts."""
+        """Seconds of a step's drafter forwards: a head's catch-up and K-1 drafts, a draft LM's K drafts, or a block
+        head's catch-up (its context projection) and one block forward."""
+        if self.one_forward:
+            return (self.catch_up or 0.0) + self.draft
         return k * self.draft if self.catch_up is None else self.catch_up + (k - 1) * self.draft
 
     def alone(self) -> "ForwardCosts":
         """The same forwards priced back to back, each model alone."""
         if self.draft_alone is None or self.verify_alone is None:
             raise ValueError("these forward costs were measured in turns only (forward_costs(..., alone=True) times both)")
-        return ForwardCosts(self.decode, self.draft_alone, self.verify_alone, self.catch_up_alone)
+        return ForwardCosts(self.decode, self.draft_alone, self.verify_alone, self.catch_up_alone,
+                            one_forward=self.one_forward)
 
     def milliseconds(self) -> dict[str, float | None]:
         """Each forward's cost in ms (3 decimals) by field name, None where not measured: reports print these."""
         return {f.name: None if getattr(self, f.name) is None else round(getattr(self, f.name) * 1e3, 3)
-                for f in fields(self)}
+                for f in fields(self) if f.name != "one_forward"}
 
     @classmethod
-    def from_milliseconds(cls, values: dict[str, float | None]) -> "ForwardCosts":
-        """The costs a report printed (`milliseconds`)."""
-        return cls(**{name: None if ms is None else ms / 1e3 for name, ms in values.items()})
+    def from_milliseconds(cls, values: dict[str, float | None], one_forward: bool = False) -> "ForwardCosts":
+        """The costs a report printed (`milliseconds`; one_forward: a block head's, which it does not print)."""
+        return cls(**{name: None if ms is None else ms / 1e3 for name, ms in values.items()
+                      if name != "one_forward"}, one_forward=one_forward)
 
     @classmethod
     def fastest(cls, measured: "Sequence[ForwardCosts]") -> "ForwardCosts":
@@ -91,6 +97,10 @@ def forward_costs(engine: Engine, batch_size: int, context: int = 32, repeats: i
         for table in tables:
             table.extend(context + max(k + 1, burst))
         timed = _TimedForwards(engine, [t.pages for t in tables], context, k)
+        if engine.drafter.kind == "block":  # one draft forward a step (infer.bench.block_costs)
+            from infer.bench.block_costs import BlockTimedForwards  # it builds on this module
+
+            timed = BlockTimedForwards(timed, tables, context)
         costs = timed.fastest_burst(repeats, lambda: timed.round(burst),
                                     key=lambda c: c.decode + c.drafting(k) + c.verify)  # a decode and a cycle
         if not alone:

@@ -28,6 +28,7 @@ from infer.models.mtp_head import DRAFTER_KINDS, load_head
 from infer.sampler import SamplingTensors, make_generator, sample
 from infer.sampling_params import SamplingParams
 from infer.speculative import DRAFTERS, Drafter, SpecStats, read_step_tokens, speculative_decode
+import infer.block_drafter  # noqa: F401,E402 - registers the block head's drafter in DRAFTERS
 
 
 @dataclass
@@ -115,6 +116,10 @@ class Engine:
         architecture = getattr(model.config, "architecture", None)
         if kind != "draft" and DRAFTER_KINDS.get(architecture) != kind:
             raise ValueError(f"a {architecture} head drafts as kind {DRAFTER_KINDS.get(architecture)!r}, not {kind!r}")
+        block = getattr(model.config, "block_size", 0) if architecture == "block" else 0
+        if block and self.num_draft_tokens >= block:
+            raise ValueError(f"num_draft_tokens={self.num_draft_tokens}: this block head (block_size {block}) drafts "
+                             f"1..{block - 1} tokens a step")
         devices = {p.device for p in model.parameters()}
         if devices != {self.runner.device}:
             raise ValueError(f"the drafter's weights are on {', '.join(sorted(map(str, devices)))} and the target's on "

@@ -51,6 +51,10 @@ class MTPHeadConfig:
     draft_vocab_size: int | None = None
     trainable_lm_head: bool = False
     norm_before_residual: bool = False
+    # block heads only (infer.models.block_head): rows of the query block (the pending token + block_size - 1 mask
+    # rows, i.e. block_size - 1 drafts a forward) and decoder layers
+    block_size: int = 0
+    num_layers: int = 1
 
     def num_draft_tokens_for(self, batch_size: int) -> int | None:
         """The recommended K at the largest measured batch size <= batch_size (the smallest one below them all); 0

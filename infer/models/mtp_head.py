@@ -43,6 +43,7 @@ from infer.attention import AttentionBackend, cast
 from infer.loader import serve_lean
 from infer.models.common import ModelOutput, RMSNorm, RotaryEmbedding
 from infer.models.deepseek_v2 import DeepseekV2DecoderLayer
+from infer.models.block_head import BlockHead, block_config_fields, init_block_from_target
 from infer.models.eagle3_head import Eagle3Head, eagle3_config_fields, init_eagle3_from_target
 from infer.models.head_base import (
     HEAD_FORMAT_VERSION, DraftHead, HeadLoadError, MTPHeadConfig, SharedTargetWeights,
@@ -50,8 +51,8 @@ from infer.models.head_base import (
 from infer.models.llama import LlamaDecoderLayer
 from infer.parallel import whole_weight
 
-ARCHITECTURES = ("mtp", "eagle1", "eagle3")
-DRAFTER_KINDS = {"mtp": "mtp", "eagle1": "mtp", "eagle3": "eagle3"}  # architecture -> infer.engine drafter kind
+ARCHITECTURES = ("mtp", "eagle1", "eagle3", "block")
+DRAFTER_KINDS = {"mtp": "mtp", "eagle1": "mtp", "eagle3": "eagle3", "block": "block"}  # architecture -> infer.engine drafter kind
 # The DeepSeek-V2 fields only an MoE MLP reads (head.mlp=moe); a dense layer ignores them.
 MOE_DECODER_KEYS = ("moe_intermediate_size", "n_routed_experts", "n_shared_experts", "num_experts_per_tok",
                     "topk_method", "n_group", "topk_group", "routed_scaling_factor", "norm_topk_prob", "scoring_func",
@@ -132,7 +133,7 @@ def config_identity(config: dict) -> dict:
 
 def head_module(config: MTPHeadConfig) -> DraftHead:
     """An unattached head of `config`'s architecture, weights uninitialised."""
-    return Eagle3Head(config) if config.architecture == "eagle3" else MTPHead(config)
+    return {"eagle3": Eagle3Head, "block": BlockHead}.get(config.architecture, MTPHead)(config)
 
 
 def shared_tensors_sha256(embed: torch.Tensor, lm_head: torch.Tensor, rows: int = 4096) -> str:
@@ -185,7 +186,8 @@ def head_config_for(target_config: PretrainedConfig, identity: dict, architectur
                     hidden_state: str = "pre_norm", mlp: str = "dense", layer_ids: list[int] | None = None,
                     draft_vocab_size: int | None = None, trainable_lm_head: bool = False,
                     norm_before_residual: bool = False, intermediate_size: int | None = None,
-                    num_key_value_heads: int | None = None, **switches: bool) -> MTPHeadConfig:
+                    num_key_value_heads: int | None = None, block_size: int = 8, num_layers: int = 1,
+                    **switches: bool) -> MTPHeadConfig:
     """A head whose decoder layer is shaped like one of the target's layers.
 
     The norm and bias switches (enorm, hnorm, final_norm, proj_bias, layer_input_norm) default to the
@@ -195,7 +197,8 @@ def head_config_for(target_config: PretrainedConfig, identity: dict, architectur
     (None: the whole vocabulary), trainable_lm_head and norm_before_residual do. intermediate_size: the layer's dense
     MLP width (None: the target's; on a small target a wider head MLP costs little and drafts better,
     docs/benchmark_history.md "Recipes"). num_key_value_heads: an EAGLE-3 layer's key/value heads (None: the target's;
-    more widen the only path by which its token reaches the residual stream, same section).
+    more widen the only path by which its token reaches the residual stream, same section). block (infer.models.
+    block_head): layer_ids as EAGLE-3's, block_size (rows of the query block) and num_layers.
     """
     kind = target_config.model_type
     if kind not in DECODER_KEYS:
@@ -226,7 +229,12 @@ def head_config_for(target_config: PretrainedConfig, identity: dict, architectur
             raise HeadLoadError(f"num_key_value_heads={num_key_value_heads} must divide the {heads} attention heads "
                                 f"and be a multiple of the target's {decoder['num_key_value_heads']}")
         decoder["num_key_value_heads"] = num_key_value_heads
-    if architecture == "eagle3":
+    if architecture == "block":
+        if draft_vocab_size is not None or trainable_lm_head or norm_before_residual:
+            raise HeadLoadError("a draft vocabulary, a trainable lm_head and norm_before_residual are EAGLE-3 options, "
+                                "not block's")
+        fields = block_config_fields(target_config, layer_ids, block_size, num_layers)
+    elif architecture == "eagle3":
         fields = eagle3_config_fields(target_config, layer_ids, draft_vocab_size, trainable_lm_head,
                                       norm_before_residual)
     elif draft_vocab_size is not None or trainable_lm_head or norm_before_residual:
@@ -241,7 +249,8 @@ def head_config_for(target_config: PretrainedConfig, identity: dict, architectur
     return config
 
 
-def init_head_from_target(target: nn.Module, target_name: str, architecture: str = "mtp") -> DraftHead:
+def init_head_from_target(target: nn.Module, target_name: str, architecture: str = "mtp",
+                          **config_kwargs) -> DraftHead:
     """An untrained head: the target's last layer, the projection passing h_i through and ignoring the token
     (EAGLE-3: passing the high layer through, see `init_eagle3_from_target`).
 
@@ -251,9 +260,11 @@ def init_head_from_target(target: nn.Module, target_name: str, architecture: str
     if target.config.model_type != "llama":
         raise HeadLoadError(f"untrained heads are built from Llama targets only, not {target.config.model_type!r}")
     identity = target_identity(target_name, target.config, target_digest(target))
-    config = head_config_for(target.config, identity, architecture)
+    config = head_config_for(target.config, identity, architecture, **config_kwargs)
     param = next(target.parameters())
     head = head_module(config).to(device=param.device, dtype=param.dtype)  # the target's: they share weights
+    if architecture == "block":
+        return init_block_from_target(head.attach(shared_weights(target)), target)
     if architecture == "eagle3":
         return init_eagle3_from_target(head.attach(shared_weights(target)), target)
     head.init_identity_projection()

@@ -1,0 +1,110 @@
+"""The block head's drafter (infer.models.block_head) behind the drafter seam of infer.speculative.
+
+Catch-up (`propose`, after every target forward): every row the forward computed is projected into the head's
+context keys/values (fc + hidden_norm of the target layers it reads, then each layer's k/v, rotated at the row's
+position) and written into the head's per-layer cache at the row's slot, on the target's own page tables. Rows past
+a verify's accepted prefix are written too: a draft reads only the settled positions, and the next target forward
+rewrites those slots before they are settled.
+
+A step (`draft`): one forward of the block, B rows a request at positions p..p+B-1 (p = num_computed, the pending
+token's position) reading the context slots 0..p-1 gathered from the pages; its rows 1..K give the K drafts, then
+`speculative_decode` verifies them in one target forward of K+1 rows. K may be below the head's B-1 (its first K
+drafts of the trained block, as DFlash runs it). With `short_blocks` a step of K drafts runs K + 1 rows instead, so
+that the forward costs with K: the mask rows all hold the same embedding, hence the same values, and dropping the
+trailing ones left acceptance unchanged on the pipeline's stories260K head (tau 2.28 vs 2.28 at K=3, 2.35 vs 2.35 at
+K=7, 32 held-out openings x 128 tokens) but collapsed the first draft of the small head the tests fit (0.46 -> 0.0 at
+K=2): a block shorter than trained is off the training distribution, so it is an option, not the default.
+
+Proposals at T>0: the argmax of each row with a one-hot q (`sample_drafts=False`, the default: DFlash's finding
+that independent per-position draws collapse acceptance, since row k's distribution is a marginal, not conditioned
+on the draws before it), or a draw from each row's own distribution, q being that distribution. Both are lossless
+under rejection sampling: the verifier is given the distribution the proposal was drawn from.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Sequence
+
+import torch
+from torch import Tensor
+
+from infer.sampler import SamplingTensors, sample, target_probs
+from infer.speculative import DRAFTERS, Drafter, SpeculatingRequest, TargetRows
+
+
+class BlockDrafter(Drafter):
+    kind = "block"
+    needs_hidden_states = True
+
+    def __init__(self, model: torch.nn.Module, num_pages: int, page_size: int, backend: str,
+                 sample_drafts: bool = False, short_blocks: bool = False) -> None:
+        super().__init__(model, num_pages, page_size, backend)
+        self.target_aux_layers = tuple(model.target_aux_layers)
+        self.block_size = int(model.config.block_size)
+        self.sample_drafts = sample_drafts
+        self.short_blocks = short_blocks
+
+    @property
+    def head(self) -> torch.nn.Module:
+        return self.runner.model
+
+    def propose(self, rows: TargetRows) -> None:
+        """Project every row's context keys/values into the cache at its slot (no block forward here)."""
+        start = time.perf_counter()
+        out = rows.output
+        aux = torch.stack([out.aux_hidden_states[layer] for layer in self.target_aux_layers], dim=1)  # [T, n, H]
+        features = self.head.features(out.hidden_states, aux.to(self.runner.dtype))
+        for cache, kv in zip(self.runner.kv_caches, self.head.context_kv(features, rows.meta.positions)):
+            cache.index_copy_(0, rows.meta.slot_mapping, kv.to(cache.dtype))
+        elapsed = time.perf_counter() - start
+        self.runner.forward_s += elapsed
+        self.seconds += elapsed
+
+    def block_rows(self, k: int) -> int:
+        """Rows of the block a step of k drafts runs: the trained block_size, or with `short_blocks` k + 1 (the
+        pending token and k mask rows: a forward that costs with K, at the price of fewer mask rows than trained)."""
+        return k + 1 if self.short_blocks else self.block_size
+
+    def block_logits(self, requests: Sequence[SpeculatingRequest], rows: int | None = None) -> Tensor:
+        """[B, rows - 1, V] each request's draft logits from one block forward of `rows` rows (default: the trained
+        block) over its settled context."""
+        device, size = self.device, self.page_size
+        lens = torch.tensor([r.num_computed for r in requests], device=device)  # context length = pending position
+        longest = max(int(lens.max()), 1)
+        pages = torch.nn.utils.rnn.pad_sequence(
+            [torch.tensor(r.page_table.pages, device=device) for r in requests], batch_first=True)  # [B, max pages]
+        pos = torch.arange(longest, device=device)
+        valid = pos[None, :] < lens[:, None]  # [B, L]
+        page_index = (pos // size).clamp(max=pages.shape[1] - 1).expand(len(requests), -1)
+        slots = torch.where(valid, pages.gather(1, page_index) * size + pos % size, 0)  # [B, L]
+        context = [cache[slots] for cache in self.runner.kv_caches]  # per layer [B, L, 2, kvh, D]
+        positions = lens[:, None] + torch.arange(rows or self.block_size, device=device)  # [B, rows]
+        first = torch.tensor([r.token_ids[-1] for r in requests], device=device)
+        return self.head(first, positions, context, valid)
+
+    def draft(self, requests: Sequence[SpeculatingRequest], k: int, sampling: SamplingTensors,
+              generators: Sequence[torch.Generator]) -> tuple[Tensor, Tensor | None]:
+        """k drafts a request from one block forward: ([B, k] ids, [B, k, V] their q, or None when greedy)."""
+        if not 1 <= k < self.block_size:
+            raise ValueError(f"num_draft_tokens={k}: a block head of block_size {self.block_size} drafts 1.."
+                             f"{self.block_size - 1} tokens a step")
+        start = time.perf_counter()
+        logits = self.block_logits(requests, self.block_rows(k))[:, :k]  # [B, k, V]
+        self.runner.forward_s += time.perf_counter() - start
+        if sampling.all_greedy:
+            tokens, probs = logits.argmax(-1), None
+        elif self.sample_drafts:
+            columns = [(sample(logits[:, j], sampling, generators),
+                        target_probs(logits[:, j], sampling.temperature, sampling.top_k, sampling.top_p))
+                       for j in range(k)]
+            tokens = torch.stack([t for t, _ in columns], dim=1)
+            probs = torch.stack([p for _, p in columns], dim=1)
+        else:  # argmax proposals, their distribution a one-hot q
+            tokens = logits.argmax(-1)
+            probs = torch.nn.functional.one_hot(tokens, logits.shape[-1]).float()
+        self.seconds += time.perf_counter() - start
+        return tokens, probs
+
+
+DRAFTERS[BlockDrafter.kind] = BlockDrafter  # registered here, so infer.speculative stays as it is

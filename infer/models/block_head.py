@@ -1,0 +1,231 @@
+"""The block-drafting head (DFlash-style, arXiv 2602.06036): B-1 drafts from one forward.
+
+The head reads the target's fused features at the settled positions 0..p-1 (its "context") and a query block of B
+rows at positions p..p+B-1: the last emitted (pending) token's embedding, then B-1 copies of a learned mask
+embedding (stories260K's 512-token vocabulary has no spare id to embed instead). Each of its `num_layers` Llama-shaped
+decoder layers attends from the block rows to
+
+    keys/values of the context: k_proj / v_proj of c_j = hidden_norm(fc([h^l1_j ; ... ; h^ln_j]))  (rotated at j)
+    keys/values of the block itself: k_proj / v_proj of input_layernorm(x) (rotated at p..p+B-1)
+
+with no mask inside the block (bidirectional) and every context position before p visible ("KV injection": the
+context enters through keys and values only, never through the residual stream). Block row k's output, through
+final_norm and the target's lm_head (frozen, shared), drafts the token at position p+k, k = 1..B-1.
+
+The context's keys/values depend on the target alone, so the runtime projects them once, after the target forward
+that computed the position (`context_kv`), into a paged cache per layer indexed by the target's page tables; a draft
+step then runs the block's B rows alone (infer.block_drafter). Training computes the same `context_kv` over a whole
+record and runs many blocks against it (mtp_train.block_unroll).
+
+Shapes and layout follow z-lab/dflash model/dflash.py (a3516f8): k/v of context and block by the same projections,
+fc + hidden_norm fusing the target layers, a final norm before the target's lm_head; unlike it (a Qwen3 draft) a
+Llama layer has no q/k norms, and the mask row is a learned vector rather than a reserved token's embedding.
+
+Layer ids: EAGLE-3's convention (infer.models.eagle3_head): id i is the stream entering decoder layer i, infer's
+aux output of layer i - 1; any number of distinct ids in 1..L.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+from transformers import LlamaConfig, PretrainedConfig
+
+from infer.attention import cast
+from infer.models.common import RMSNorm, RotaryEmbedding, apply_rope_half
+from infer.models.eagle3_head import default_layer_ids
+from infer.models.head_base import DraftHead, HeadLoadError, MTPHeadConfig
+from infer.models.llama import LlamaMLP
+from infer.parallel import current
+
+MIN_BLOCK_SIZE = 2  # the pending token and at least one mask row
+
+
+def block_config_fields(target_config: PretrainedConfig, layer_ids: list[int] | None, block_size: int,
+                        num_layers: int) -> dict:
+    """MTPHeadConfig's block-head fields for a target, checked (HeadLoadError naming the value)."""
+    if target_config.model_type != "llama":
+        raise HeadLoadError(f"block heads are built for Llama targets, not {target_config.model_type!r}")
+    num_target = target_config.num_hidden_layers
+    ids = default_layer_ids(num_target) if layer_ids is None else [int(i) for i in layer_ids]
+    if not ids or len(set(ids)) != len(ids) or not all(0 < i <= num_target for i in ids):
+        raise HeadLoadError(f"head.layer_ids={ids}: a block head fuses distinct target layer ids in 1..{num_target}")
+    if block_size < MIN_BLOCK_SIZE:
+        raise HeadLoadError(f"head.block_size={block_size}: a block holds the pending token and >= 1 mask row (>= 2)")
+    if num_layers < 1:
+        raise HeadLoadError(f"head.num_layers={num_layers} must be >= 1")
+    return dict(aux_layer_ids=ids, block_size=int(block_size), num_layers=int(num_layers), enorm=False, hnorm=False,
+                final_norm=True, proj_bias=False, layer_input_norm=True)
+
+
+def block_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
+    """q [N, B, heads, D], k/v [N, S, kv heads, D], mask [N, S] (the keys each block sees) -> [N, B, heads, D]."""
+    out = F.scaled_dot_product_attention(q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2),
+                                         attn_mask=mask[:, None, None, :], enable_gqa=k.shape[2] != q.shape[2])
+    return out.transpose(1, 2)
+
+
+def block_aux_layers(target_config: PretrainedConfig, layer_ids: list[int] | None) -> list[int]:
+    """The infer aux layers (decoder layer i's output) a block head with these ids reads: id - 1 each."""
+    return [i - 1 for i in block_config_fields(target_config, layer_ids, MIN_BLOCK_SIZE, 1)["aux_layer_ids"]]
+
+
+class BlockAttention(nn.Module):
+    """q from the block rows; k/v from the context features and from the block rows, by the same projections."""
+
+    def __init__(self, config: LlamaConfig) -> None:
+        super().__init__()
+        hidden = config.hidden_size
+        self.num_heads = config.num_attention_heads
+        self.num_kv_heads = config.num_key_value_heads or self.num_heads
+        self.head_dim = getattr(config, "head_dim", None) or hidden // self.num_heads
+        bias = bool(getattr(config, "attention_bias", False))
+        self.q_proj = nn.Linear(hidden, self.num_heads * self.head_dim, bias=bias)
+        self.k_proj = nn.Linear(hidden, self.num_kv_heads * self.head_dim, bias=bias)
+        self.v_proj = nn.Linear(hidden, self.num_kv_heads * self.head_dim, bias=bias)
+        self.o_proj = nn.Linear(self.num_heads * self.head_dim, hidden, bias=bias)
+
+    def kv(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """x [T, H] -> rotated k, v [T, kv heads, head_dim]."""
+        k = self.k_proj(x).unflatten(-1, (self.num_kv_heads, self.head_dim))
+        v = self.v_proj(x).unflatten(-1, (self.num_kv_heads, self.head_dim))
+        return apply_rope_half(k, cos, sin), v
+
+    def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, ctx_k: torch.Tensor,
+                ctx_v: torch.Tensor, ctx_valid: torch.Tensor) -> torch.Tensor:
+        """x [N, B, H] block rows (normed); cos/sin [N*B, 1, D]; ctx_k/ctx_v [N or 1, L, kv heads, D] rotated;
+        ctx_valid [N, L] the context keys each block sees -> [N, B, H]."""
+        n, b, _ = x.shape
+        flat = x.flatten(0, 1)
+        q = apply_rope_half(self.q_proj(flat).unflatten(-1, (self.num_heads, self.head_dim)), cos, sin)
+        k, v = self.kv(flat, cos, sin)
+        k = torch.cat((ctx_k.expand(n, -1, -1, -1), k.unflatten(0, (n, b))), dim=1)  # [N, L+B, kvh, D]
+        v = torch.cat((ctx_v.expand(n, -1, -1, -1), v.unflatten(0, (n, b))), dim=1)
+        mask = torch.cat((ctx_valid, ctx_valid.new_ones(n, b)), dim=1)  # [N, L+B]
+        return self.o_proj(block_attention(q.unflatten(0, (n, b)), k, v, mask).flatten(2))
+
+
+class BlockDecoderLayer(nn.Module):
+    def __init__(self, config: LlamaConfig) -> None:
+        super().__init__()
+        self.self_attn = BlockAttention(config)
+        self.mlp = LlamaMLP(config.hidden_size, config.intermediate_size, getattr(config, "mlp_bias", False),
+                            current())
+        self.input_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
+        self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
+
+    def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, ctx_k: torch.Tensor,
+                ctx_v: torch.Tensor, ctx_valid: torch.Tensor) -> torch.Tensor:
+        x = x + self.self_attn(self.input_layernorm(x), cos, sin, ctx_k, ctx_v, ctx_valid)
+        return x + self.mlp(self.post_attention_layernorm(x))
+
+
+class BlockHead(DraftHead):
+    """fc + hidden_norm (the context features), a learned mask embedding, `num_layers` block decoder layers, a final
+    norm; the target's embedding and lm_head shared."""
+
+    def __init__(self, config: MTPHeadConfig) -> None:
+        super().__init__(config)
+        if config.decoder_type != "llama":
+            raise HeadLoadError(f"block heads have Llama decoder layers, not {config.decoder_type!r}")
+        if config.block_size < MIN_BLOCK_SIZE or config.num_layers < 1 or not config.aux_layer_ids:
+            raise HeadLoadError(f"a block head config needs block_size >= 2, num_layers >= 1 and aux_layer_ids, got "
+                                f"{config.block_size}, {config.num_layers}, {config.aux_layer_ids}")
+        hidden = config.hidden_size
+        decoder_config = config.decoder_config()
+        self.fc = nn.Linear(len(config.aux_layer_ids) * hidden, hidden, bias=False)
+        self.hidden_norm = RMSNorm(hidden, config.rms_norm_eps)
+        self.mask_embedding = nn.Parameter(torch.zeros(hidden))
+        self.layers = nn.ModuleList(BlockDecoderLayer(decoder_config) for _ in range(config.num_layers))
+        self.final_norm = RMSNorm(hidden, config.rms_norm_eps)
+        self.rotary_emb = RotaryEmbedding(decoder_config, self.layers[0].self_attn.head_dim)
+        self.target_aux_layers = tuple(i - 1 for i in config.aux_layer_ids)
+        self.block_size = config.block_size
+
+    @property
+    def layer(self) -> nn.Module:
+        """The first layer: DraftHead's cache sizing and attention_dims read its shape (all layers share it)."""
+        return self.layers[0]
+
+    # --- context -----------------------------------------------------------------------------------------------
+    def features(self, hidden_states: torch.Tensor, aux_hidden_states: torch.Tensor | None = None) -> torch.Tensor:
+        """aux_hidden_states [T, n, H] (the layers of `target_aux_layers`, in order) -> context features [T, H]."""
+        if aux_hidden_states is None:
+            raise HeadLoadError(f"a block head reads target layers {self.config.aux_layer_ids}: none were given")
+        return self.hidden_norm(self.fc(cast(aux_hidden_states.flatten(1), self.fc.weight.dtype)))
+
+    def context_kv(self, features: torch.Tensor, positions: torch.Tensor) -> list[torch.Tensor]:
+        """features [T, H] at positions [T] -> per layer [T, 2, kv heads, D]: its rotated keys, then values."""
+        cos, sin = self.rotary_emb.half_split(positions)
+        return [torch.stack(layer.self_attn.kv(features, cos, sin), dim=1) for layer in self.layers]
+
+    # --- the block ---------------------------------------------------------------------------------------------
+    def block_inputs(self, first_ids: torch.Tensor, block_size: int | None = None) -> torch.Tensor:
+        """first_ids [N] (each block's pending token) -> [N, B, H]: its embedding, then the mask embedding."""
+        block_size = block_size or self.block_size
+        emb = cast(self.shared.embed_tokens(first_ids), self.fc.weight.dtype)  # [N, H]
+        masks = self.mask_embedding.to(emb.dtype).expand(emb.shape[0], block_size - 1, -1)
+        return torch.cat((emb[:, None], masks), dim=1)
+
+    def block_hidden(self, x: torch.Tensor, positions: torch.Tensor, context: list[torch.Tensor],
+                     ctx_valid: torch.Tensor) -> torch.Tensor:
+        """x [N, B, H] block inputs at positions [N, B]; context: per layer [N or 1, L, 2, kvh, D] (`context_kv`'s
+        rows, gathered); ctx_valid [N, L] -> [N, B, H] the last layer's output (before final_norm)."""
+        cos, sin = self.rotary_emb.half_split(positions.flatten())
+        for layer, kv in zip(self.layers, context):
+            x = layer(x, cos, sin, kv[:, :, 0], kv[:, :, 1], ctx_valid)
+        return x
+
+    def forward(self, first_ids: torch.Tensor, positions: torch.Tensor, context: list[torch.Tensor],
+                ctx_valid: torch.Tensor) -> torch.Tensor:
+        """[N] pending tokens at positions [N, B] -> [N, B-1, V] fp32 logits of the drafts at positions 1..B-1."""
+        assert self.shared is not None, "attach() the target's weights first"
+        x = self.block_hidden(self.block_inputs(first_ids, positions.shape[1]), positions, context, ctx_valid)
+        return self.compute_logits(x[:, 1:])
+
+    # --- KV cache: every layer's context keys/values, one row per slot (page * page_size + offset) ---------------
+    def allocate_kv_cache(self, num_pages: int, page_size: int, dtype: torch.dtype, device: torch.device) -> list:
+        attn = self.layers[0].self_attn
+        return [torch.zeros((num_pages * page_size, 2, attn.num_kv_heads, attn.head_dim), dtype=dtype, device=device)
+                for _ in self.layers]
+
+    def kv_bytes_per_token(self, dtype: torch.dtype) -> int:
+        return len(self.layers) * super().kv_bytes_per_token(dtype)
+
+    # --- starting points ---------------------------------------------------------------------------------------
+    def init_identity_projection(self) -> None:
+        """fc passes the last named layer through: the context starts as that layer's state, normed."""
+        hidden = self.config.hidden_size
+        with torch.no_grad():
+            self.fc.weight.zero_()
+            self.fc.weight[:, -hidden:] = torch.eye(hidden)
+
+    def load_target_layer(self, layer: dict[str, torch.Tensor]) -> None:
+        """Every block layer starts as a target layer (infer's fused qkv_proj split into q/k/v); the mask embedding
+        starts at zero (after the input norm: a zero row, which attends by position alone)."""
+        attn = self.layers[0].self_attn
+        q_rows, kv_rows = attn.num_heads * attn.head_dim, attn.num_kv_heads * attn.head_dim
+        qkv = layer["self_attn.qkv_proj.weight"]
+        if qkv.shape[0] != q_rows + 2 * kv_rows:
+            raise HeadLoadError(f"a block layer of {attn.num_heads}/{attn.num_kv_heads} heads cannot start from a "
+                                f"target layer with {qkv.shape[0]} q/k/v rows")
+        q, k, v = qkv.split((q_rows, kv_rows, kv_rows))
+        state = {"self_attn.q_proj.weight": q, "self_attn.k_proj.weight": k, "self_attn.v_proj.weight": v}
+        state.update({name: t for name, t in layer.items() if not name.startswith("self_attn.qkv_proj")})
+        with torch.no_grad():
+            for block_layer in self.layers:
+                missing, unexpected = block_layer.load_state_dict(state, strict=False)
+                if missing or unexpected:
+                    raise HeadLoadError(f"a block layer from a target layer: missing {missing[:4]}, unexpected "
+                                        f"{unexpected[:4]}")
+
+
+def init_block_from_target(head: BlockHead, target: nn.Module) -> BlockHead:
+    """An untrained block head on an infer Llama target: fc passes the last named layer through, every layer is the
+    target's last one, the final norm the target's: a real, weak guess for tests of the machinery."""
+    head.init_identity_projection()
+    head.load_target_layer(target.model.layers[-1].state_dict())
+    with torch.no_grad():
+        head.final_norm.weight.copy_(target.model.norm.weight)
+    return head
