@@ -56,6 +56,10 @@ def add_engine_args(parser: argparse.ArgumentParser) -> None:
     group.add_argument("--cuda-graphs", action=argparse.BooleanOptionalAction, default=False,
                        help="replay decode, verify and a head's forwards from CUDA graphs captured per padded batch "
                             "size (CUDA only; default off until the GPU check has passed on a device)")
+    group.add_argument("--overlap", action=argparse.BooleanOptionalAction, default=EngineConfig.overlap,
+                       help="without speculation, launch each decode step from the device's sampled tokens before the "
+                            "host reads the previous step's (the same tokens; a request that stops computes one extra "
+                            "row, discarded); default off until the GPU check has timed it")
 
 
 def add_spec_args(parser: argparse.ArgumentParser) -> None:
@@ -105,7 +109,8 @@ def engine_kwargs(args: argparse.Namespace, max_num_seqs: int) -> dict:
         raise CliError(f"--batch-size must be >= 1, got {max_num_seqs}")
     return dict(page_size=args.page_size, num_pages=args.num_pages, max_num_seqs=max_num_seqs,
                 max_num_batched_tokens=args.max_num_batched_tokens, backend=args.attention_backend,
-                decode_run_steps=args.decode_run_steps, cuda_graphs="on" if args.cuda_graphs else "off")
+                decode_run_steps=args.decode_run_steps, cuda_graphs="on" if args.cuda_graphs else "off",
+                overlap=args.overlap)
 
 
 def run_cli(main: Callable[[], int]) -> int:
