@@ -80,18 +80,23 @@ def test_host_reads_step_n_after_launching_step_n_plus_1(stories_model, stories_
     (overlap off) reads each step before launching the next, from ids built on the host."""
     engine = _engine(stories_model, stories_tokenizer, overlap)
     events: list[tuple[str, object]] = []
-    run, read = engine.runner.run, loop_module.read_step_tokens
+    run, read, read_launched = engine.runner.run, loop_module.read_step_tokens, overlap_module.LaunchedStep.tokens
 
     def recording_run(ids, *args, **kwargs):
         events.append(("run", ids))
         return run(ids, *args, **kwargs)
 
-    def recording_read(sampled, emitted):
+    def recording_read(sampled, emitted):  # the engine's read without overlap
         events.append(("read", sampled))
         return read(sampled, emitted)
 
+    def recording_read_launched(step):  # with overlap
+        events.append(("read", step.sampled))
+        return read_launched(step)
+
     monkeypatch.setattr(engine.runner, "run", recording_run)
     monkeypatch.setattr(loop_module, "read_step_tokens", recording_read)
+    monkeypatch.setattr(overlap_module.LaunchedStep, "tokens", recording_read_launched)
     engine.generate(["Once upon a time", "Tom"], SamplingParams(max_new_tokens=8, ignore_eos=True))
     reads = [i for i, (kind, _) in enumerate(events) if kind == "read"]
     runs_before = [sum(kind == "run" for kind, _ in events[:i]) for i in reads]

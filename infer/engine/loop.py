@@ -306,8 +306,9 @@ class Engine:
             forward = TargetForward(self.runner, self.config.page_size, rows, [], 0, (), meta)
             forward(None)
             launched = self._sample_plain(rows, forward)
+        launched.copy_to_host()
         self._pending = follow_on(self, launched)
-        sampled_ids, _ = read_step_tokens(launched.sampled, None)
+        sampled_ids = launched.tokens()
         # a request that ended at the step before (or was aborted) had its row of this one computed: discarded
         finished = [r for r, token in zip(launched.requests, sampled_ids)
                     if not r.finished and self.output.append(r, token)]

@@ -16,7 +16,7 @@ from typing import TYPE_CHECKING
 
 import torch
 
-from infer.device_copy import device_tensor
+from infer.device_copy import HostCopy, device_tensor
 from infer.engine.forward import decode_batch_step
 from infer.engine.request import Request
 from infer.kv_cache import build_page_metadata
@@ -35,6 +35,18 @@ class LaunchedStep:
     requests: list[Request]
     sampled: torch.Tensor | None
     sampling: SamplingTensors | None
+    _host: HostCopy | None = None
+
+    def copy_to_host(self) -> None:
+        """Start the tokens' copy to the host (`HostCopy`): before the next step is launched, so that the read
+        waits for this step's work alone."""
+        if self._host is None and self.sampled is not None:
+            self._host = HostCopy(self.sampled)
+
+    def tokens(self) -> list[int]:
+        """The step's one host read: its sampled tokens, in row order."""
+        self.copy_to_host()
+        return self._host.tolist() if self._host is not None else []
 
     @property
     def live(self) -> bool:
