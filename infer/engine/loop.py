@@ -2,7 +2,8 @@
 
 `Engine` composes a scheduler (`infer.engine.scheduler`), a runner (`infer.model_runner`), a drafter when one is
 attached (`infer.speculative`, one call a step: `Drafter.propose`) and an output processor
-(`infer.engine.output`); `step` reads top to bottom.
+(`infer.engine.output`); `step` reads top to bottom. Without a drafter, `EngineConfig.overlap` launches each
+step before the host reads the one before it (`infer.engine.overlap`).
 """
 
 from __future__ import annotations
