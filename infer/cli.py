@@ -98,6 +98,9 @@ def attach_spec(engine, args: argparse.Namespace, batch_size: int) -> None:
         raise CliError(f"--num-draft-tokens must be in 1..16, got {k}")
     engine.num_draft_tokens = k
     engine.load_drafter(args.spec, args.draft)
+    if args.overlap and parallel.current().rank == 0:
+        print("note: --overlap overlaps plain decoding only; with a drafter attached no step is overlapped",
+              file=sys.stderr)
 
 
 def engine_kwargs(args: argparse.Namespace, max_num_seqs: int) -> dict:

@@ -236,3 +236,14 @@ def test_overlap_flag_reaches_the_engine_and_gives_the_same_story(stories_hf_dir
     assert outputs["--overlap"] == outputs["--no-overlap"]
     assert outputs["--overlap"].startswith("Once upon a time, there was a little girl")
     assert counts == {"--overlap": 12, "--no-overlap": 12}  # one a step with it, none more without
+
+
+def test_overlap_with_a_drafter_says_it_overlaps_nothing(stories_hf_dir, capfd):
+    """A drafter turns overlap off (`infer.engine.overlap`): --overlap with --spec says so, once; without it, nothing."""
+    spec = ["--model", stories_hf_dir, "--prompt", "Once upon a time", "--max-new-tokens", 4, "--spec", "draft",
+            "--draft", stories_hf_dir, "--num-draft-tokens", 2]
+    code, out, err = cli([*spec, "--overlap"], capfd)
+    assert code == 0 and out.startswith("Once upon a time, there was")
+    assert err.count("--overlap overlaps plain decoding only") == 1
+    code, _, err = cli(spec, capfd)
+    assert code == 0 and "--overlap" not in err

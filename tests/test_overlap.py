@@ -69,8 +69,13 @@ def test_overlapped_engine_emits_the_tokens_of_the_plain_one(stories_model, stor
     assert len({len(ids) for ids, _ in plain}) >= 6  # the endings fall at different steps
     assert sum(ok for ok, _ in launched) > 20  # the steps did overlap...
     assert any(ok and discarded for ok, discarded in launched)  # ...also past a request whose extra row was dropped
-    # control: the comparison sees one token's difference
-    assert [(ids[:-1], reason) for ids, reason in overlapped] != plain
+
+    def misrouted_follow_on(engine, prev):  # the control: the next step's ids in the wrong rows
+        prev.sampled = prev.sampled.flip(0)
+        return overlap_module.follow_on(engine, prev)
+
+    monkeypatch.setattr(loop_module, "follow_on", misrouted_follow_on)
+    assert _scenario(_engine(stories_model, stories_tokenizer, overlap=True)) != plain
 
 
 @pytest.mark.parametrize("overlap", [True, False])
