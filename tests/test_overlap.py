@@ -112,3 +112,26 @@ def test_host_reads_step_n_after_launching_step_n_plus_1(stories_model, stories_
     else:
         assert runs_before == [i + 1 for i in range(8)]
         assert not any(events[i + 1][1] is events[i][1] for i in reads[:-1])
+
+
+def test_requeue_running_drops_the_step_in_flight(stories_model, stories_tokenizer):
+    """A server's recovery after a step raised (`Engine.requeue_running`) with a step in flight: its requests
+    recompute from their first token and end with the tokens of the engine without overlap (greedy: a sampled
+    request's generator has drawn for the dropped step, docs/cuda_graphs.md); every page comes back."""
+    outputs = {}
+    for overlap in (False, True):
+        engine = _engine(stories_model, stories_tokenizer, overlap)
+        requests = [engine.add_request(p, SamplingParams(max_new_tokens=n, ignore_eos=True))
+                    for p, n in (("Once upon a time", 14), ("Tom", 9), ([1] + [300] * 500, 30))]
+        steps = 0
+        while engine.has_unfinished():
+            engine.step()
+            steps += 1
+            if steps in (3, 7):
+                assert (engine._pending is not None) == overlap  # a step is in flight with overlap
+                engine.requeue_running()
+        assert engine.pool.num_free == engine.pool.num_pages
+        outputs[overlap] = [(r.output_ids, r.finish_reason, r.num_preemptions) for r in requests]
+    assert outputs[True] == outputs[False]
+    assert [len(ids) for ids, _, _ in outputs[True]] == [14, 9, 11]  # the last one ends at the context (512)
+    assert [n for _, _, n in outputs[True]] == [2, 2, 2]
