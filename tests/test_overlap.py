@@ -16,9 +16,9 @@ pytestmark = pytest.mark.usefixtures("one_torch_thread")
 STORY_END = 1  # stories260K ends a story with BOS
 
 
-def _engine(model, tokenizer, overlap: bool) -> Engine:
-    return Engine(model, tokenizer, [2], EngineConfig(page_size=4, num_pages=256, backend="torch", overlap=overlap,
-                                                      decode_run_steps=4))
+def _engine(model, tokenizer, overlap: bool, **config) -> Engine:
+    return Engine(model, tokenizer, [2], EngineConfig(**dict(page_size=4, num_pages=256, backend="torch",
+                                                             overlap=overlap, decode_run_steps=4) | config))
 
 
 def _scenario(engine: Engine) -> list[tuple[list[int], str | None]]:
@@ -76,6 +76,26 @@ def test_overlapped_engine_emits_the_tokens_of_the_plain_one(stories_model, stor
 
     monkeypatch.setattr(loop_module, "follow_on", misrouted_follow_on)
     assert _scenario(_engine(stories_model, stories_tokenizer, overlap=True)) != plain
+
+
+def test_a_full_batch_overlaps_while_requests_wait(stories_model, stories_tokenizer, monkeypatch):
+    """With every seat taken (max_num_seqs) no waiting request could join, so steps overlap while requests wait; a
+    request that stops frees its seat a step later than without overlap, and the tokens are the same; with a free
+    seat (the control) no step overlaps while a request waits."""
+    waiting_follow_ons = []
+
+    def recording_follow_on(engine, prev):
+        step = overlap_module.follow_on(engine, prev)
+        waiting_follow_ons.append(step is not None and bool(engine.waiting))
+        return step
+
+    monkeypatch.setattr(loop_module, "follow_on", recording_follow_on)
+    plain = _scenario(_engine(stories_model, stories_tokenizer, overlap=False, max_num_seqs=3))
+    assert _scenario(_engine(stories_model, stories_tokenizer, overlap=True, max_num_seqs=3)) == plain
+    assert sum(waiting_follow_ons) > 5
+    waiting_follow_ons.clear()
+    _scenario(_engine(stories_model, stories_tokenizer, overlap=True))
+    assert not any(waiting_follow_ons)
 
 
 @pytest.mark.parametrize("overlap", [True, False])

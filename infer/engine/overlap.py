@@ -6,7 +6,8 @@ The next step's input ids are step N's sampled tokens as they lie on the device;
 overlap scheduler does (`python/sglang/srt/managers/scheduler.py`, `event_loop_overlap`: the next batch run before
 the last batch's results are processed; its next input ids come from a device-side future map). Lossless: every
 request draws from its own generator (`infer.sampler.make_generator`), so a discarded row moves no one else's
-noise, and a step only overlaps where the non-overlapped engine would schedule the same batch (see `follow_on`).
+noise, and a step's batch is the non-overlapped engine's but for an admission a step later where every seat was
+taken (`follow_on`), which no request's tokens depend on where the forward is batch-invariant.
 """
 
 from __future__ import annotations
@@ -56,11 +57,11 @@ class LaunchedStep:
 
 def follow_on(engine: Engine, prev: LaunchedStep) -> LaunchedStep | None:
     """Launch the plain decode step after `prev` from its device-side tokens, before the host reads them; None where
-    it cannot: a drafter is attached, a request waits (the next step is then scheduled on the host as usual, so it
-    joins at the step it would join without overlap), some running request did not sample at `prev` (a prompt
-    chunk), or the pool lacks a page. Requests that `prev` ends by length sit it out; those it ends otherwise are
-    only known on the read, which discards their row."""
-    if engine.drafter is not None or engine.waiting or prev.sampled is None:
+    it cannot: a drafter is attached, a request waits that the next step could admit (it is then scheduled on the
+    host as usual, after the read), some running request did not sample at `prev` (a prompt chunk), or the pool
+    lacks a page. Requests that `prev` ends by length sit it out; those it ends otherwise are only known on the
+    read, which discards their row."""
+    if engine.drafter is not None or prev.sampled is None:
         return None
     alive = [i for i, r in enumerate(prev.requests) if not r.finished]
     running = engine.running
@@ -68,7 +69,7 @@ def follow_on(engine: Engine, prev: LaunchedStep) -> LaunchedStep | None:
         return None
     keep = [i for i in alive if _continues(prev.requests[i], engine.max_model_len)]
     requests = [prev.requests[i] for i in keep]
-    if not requests:
+    if not requests or (engine.waiting and _may_admit(engine, len(requests))):
         return None
     kv_lens = [r.num_computed + 1 for r in requests]  # the unread token's position is num_computed
     if sum(r.page_table.pages_to_grow(kv) for r, kv in zip(requests, kv_lens)) > engine.pool.num_free:
@@ -90,6 +91,14 @@ def follow_on(engine: Engine, prev: LaunchedStep) -> LaunchedStep | None:
     tensors = prev.sampling if same and prev.sampling is not None else SamplingTensors.from_params(
         [r.params for r in requests], runner.device)
     return LaunchedStep(requests, sample(output.logits, tensors, [r.generator for r in requests]), tensors)
+
+
+def _may_admit(engine: Engine, num_decodes: int) -> bool:
+    """Whether a step of `num_decodes` decodes leaves room (sequences, token budget) to admit a waiting request.
+    Where it does not, the non-overlapped engine would schedule the same decodes; a request that the read stops
+    frees a seat a step later than without overlap (the same tokens, a step's delay to admission)."""
+    config = engine.config
+    return num_decodes < config.max_num_seqs and num_decodes < config.max_num_batched_tokens
 
 
 def _continues(request: Request, max_model_len: int) -> bool:
