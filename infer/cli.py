@@ -56,6 +56,10 @@ def add_engine_args(parser: argparse.ArgumentParser) -> None:
     group.add_argument("--cuda-graphs", action=argparse.BooleanOptionalAction, default=False,
                        help="replay decode, verify and a head's forwards from CUDA graphs captured per padded batch "
                             "size (CUDA only; default off until the GPU check has passed on a device)")
+    group.add_argument("--overlap", action=argparse.BooleanOptionalAction, default=EngineConfig.overlap,
+                       help="without speculation, launch each decode step from the device's sampled tokens before the "
+                            "host reads the previous step's (the same tokens; a request that stops computes one extra "
+                            "row, discarded); default off until the GPU check has timed it")
 
 
 def add_spec_args(parser: argparse.ArgumentParser) -> None:
@@ -95,6 +99,9 @@ def attach_spec(engine, args: argparse.Namespace, batch_size: int) -> None:
         raise CliError(f"--num-draft-tokens must be in 1..16, got {k}")
     engine.num_draft_tokens = k
     engine.load_drafter(args.spec, args.draft)
+    if args.overlap and parallel.current().rank == 0:
+        print("note: --overlap overlaps plain decoding only; with a drafter attached no step is overlapped",
+              file=sys.stderr)
 
 
 def engine_kwargs(args: argparse.Namespace, max_num_seqs: int) -> dict:
@@ -106,7 +113,8 @@ def engine_kwargs(args: argparse.Namespace, max_num_seqs: int) -> dict:
         raise CliError(f"--batch-size must be >= 1, got {max_num_seqs}")
     return dict(page_size=args.page_size, num_pages=args.num_pages, max_num_seqs=max_num_seqs,
                 max_num_batched_tokens=args.max_num_batched_tokens, backend=args.attention_backend,
-                decode_run_steps=args.decode_run_steps, cuda_graphs="on" if args.cuda_graphs else "off")
+                decode_run_steps=args.decode_run_steps, cuda_graphs="on" if args.cuda_graphs else "off",
+                overlap=args.overlap)
 
 
 def run_cli(main: Callable[[], int]) -> int:

@@ -36,3 +36,25 @@ def device_tensor(values: Sequence, device: torch.device | str, dtype: torch.dty
     if not is_cuda(device):
         return torch.tensor(values, dtype=dtype, device=device)
     return torch.tensor(values, dtype=dtype).pin_memory().to(device, non_blocking=True)
+
+
+class HostCopy:
+    """A device tensor's values on the host, copied now and read later: on a GPU a non-blocking copy into pinned
+    memory with an event recorded after it, so the read waits for that copy (and the work queued before it) alone,
+    not for what was launched after it (the next step's forward); on a CPU the tensor itself."""
+
+    def __init__(self, tensor: torch.Tensor) -> None:
+        self.event: torch.cuda.Event | None = None
+        if tensor.is_cuda:
+            self.host = torch.empty(tensor.shape, dtype=tensor.dtype, pin_memory=True)
+            self.host.copy_(tensor, non_blocking=True)
+            self.event = torch.cuda.Event()
+            self.event.record()
+        else:
+            self.host = tensor
+
+    def tolist(self) -> list:
+        """The values, once the copy has landed (the host waits here, and only here)."""
+        if self.event is not None:
+            self.event.synchronize()
+        return self.host.tolist()

@@ -216,3 +216,34 @@ def test_cuda_graphs_need_a_cuda_device(stories_hf_dir, capfd):
     code, out, _ = cli(["--model", stories_hf_dir, "--prompt", "hi", "--max-new-tokens", "2", "--no-cuda-graphs"],
                        capfd)
     assert code == 0 and out  # the control: off runs
+
+
+
+def test_overlap_flag_reaches_the_engine_and_gives_the_same_story(stories_hf_dir, capfd, monkeypatch):
+    """--overlap launches steps from the device's tokens (`follow_on` is called; never with --no-overlap, the
+    control) and prints the same story."""
+    import infer.engine.loop as loop_module  # noqa: PLC0415
+    from infer.engine.overlap import follow_on  # noqa: PLC0415
+
+    calls = []
+    monkeypatch.setattr(loop_module, "follow_on", lambda *args: calls.append(1) or follow_on(*args))
+    outputs, counts = {}, {}
+    for flag in ("--overlap", "--no-overlap"):
+        code, out, err = cli(["--model", stories_hf_dir, "--prompt", "Once upon a time", "--max-new-tokens", 12,
+                              flag], capfd)
+        assert code == 0, err
+        outputs[flag], counts[flag] = out, len(calls)
+    assert outputs["--overlap"] == outputs["--no-overlap"]
+    assert outputs["--overlap"].startswith("Once upon a time, there was a little girl")
+    assert counts == {"--overlap": 12, "--no-overlap": 12}  # one a step with it, none more without
+
+
+def test_overlap_with_a_drafter_says_it_overlaps_nothing(stories_hf_dir, capfd):
+    """A drafter turns overlap off (`infer.engine.overlap`): --overlap with --spec says so, once; without it, nothing."""
+    spec = ["--model", stories_hf_dir, "--prompt", "Once upon a time", "--max-new-tokens", 4, "--spec", "draft",
+            "--draft", stories_hf_dir, "--num-draft-tokens", 2]
+    code, out, err = cli([*spec, "--overlap"], capfd)
+    assert code == 0 and out.startswith("Once upon a time, there was")
+    assert err.count("--overlap overlaps plain decoding only") == 1
+    code, _, err = cli(spec, capfd)
+    assert code == 0 and "--overlap" not in err

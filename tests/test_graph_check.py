@@ -68,8 +68,10 @@ def test_step_costs_run_on_a_cpu(stories_model):
 def test_decode_rows_run_on_a_cpu_and_compare_tokens():
     rows = decode_graph_rows("tiny", "cpu", [1, 2], 6, 1, shape=TINY, cost_steps=2)
     settings = [r["setting"].split(",")[0] for r in rows]
-    assert settings == ["step costs", "step costs", "decode batch 1", "decode batch 2"]
-    assert all("equal 2/2" in r["reference"] or "equal 1/1" in r["reference"] for r in rows[2:])  # padded == eager
+    assert settings == ["step costs", "step costs", "decode batch 1", "decode batch 1", "decode batch 2"]
+    assert rows[3]["setting"] == "decode batch 1, graphs + overlap"  # overlap at batch 1 (and 8), not at 2
+    # padded == eager, overlapped == padded
+    assert all("equal 2/2" in r["reference"] or "equal 1/1" in r["reference"] for r in rows[2:])
     assert same_tokens([[1, 2, 3], [4, 5]], [[1, 2, 4], [4, 5]]) == "equal 1/2, first differ at 2"  # the control
 
 

@@ -321,8 +321,8 @@ def main(argv: list[str] | None = None) -> int:
         serve_forever()
         return 0
     result = {"model": str(args.model), "device": args.device, "dtype": args.dtype, "threads": torch.get_num_threads(),
-              "tp": tp.size, "cuda_graphs": args.cuda_graphs, "max_new_tokens": args.max_new_tokens, "spec": args.spec,
-              "rows": rows}
+              "tp": tp.size, "cuda_graphs": args.cuda_graphs, "overlap": args.overlap,
+              "max_new_tokens": args.max_new_tokens, "spec": args.spec, "rows": rows}
     if args.spec != "none":
         result["recommendations"] = recommendations(rows)
         if arrivals:

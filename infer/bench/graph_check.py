@@ -4,7 +4,8 @@
                CUDA graphs on and off, each as a share of the bandwidth limit (every weight read once a step: weight
                bytes over the device-to-device copy bandwidth measured in the same run); then, at batch 1, kernels
                and GPU-busy ms a step (torch.profiler), host ms a step, and host syncs a step
-               (torch.cuda.set_sync_debug_mode).
+               (torch.cuda.set_sync_debug_mode); at batch 1 and 8, graphs with overlapped decoding too
+               (`EngineConfig.overlap`: the next step launched before the host reads this one's tokens).
   spec-graphs  speculation at a known acceptance through graphs: an EAGLE-3 head with a 32k draft vocabulary runs its
                real forwards but proposes the target's own greedy tokens (`infer.bench.oracle_drafter`), each right
                with probability 0.8 given the ones before; K=2 and 4, batch 1 and 8, on the 1B shape. ratio =
@@ -159,9 +160,11 @@ def step_cost_row(engine: Engine, name: str, mode: str, steps: int = 32) -> dict
 
 
 def decode_graph_rows(name: str, device: str, batches: list[int], new_tokens: int, repeats: int,
-                      shape: dict | None = None, cost_steps: int = 32, backend: str = "auto") -> list[dict]:
-    """Decode tok/s, graphs on and off, as shares of the bandwidth limit; step costs at batch 1. On a CPU (tests: a
-    tiny `shape`) graphs are the padded path. backend "auto": FlashInfer (and its graph wrappers) where it imports."""
+                      shape: dict | None = None, cost_steps: int = 32, backend: str = "auto",
+                      overlap_batches: tuple[int, ...] = (1, 8)) -> list[dict]:
+    """Decode tok/s, graphs on and off, as shares of the bandwidth limit; step costs at batch 1; at overlap_batches,
+    graphs with overlap against graphs alone. On a CPU (tests: a tiny `shape`) graphs are the padded path. backend
+    "auto": FlashInfer (and its graph wrappers) where it imports."""
     model = random_model(shape or SHAPES[name], device)
     limit_steps = copy_bandwidth(device, 1 << 30 if device == "cuda" else 1 << 24) / weight_bytes(model)  # steps/s
     graphs = "on" if device == "cuda" else "padded"
@@ -171,9 +174,11 @@ def decode_graph_rows(name: str, device: str, batches: list[int], new_tokens: in
     rows = []
     for batch in batches:
         speeds, outputs = {}, {}
-        for mode in ("off", graphs):
+        modes = ("off", graphs, "overlap") if batch in overlap_batches else ("off", graphs)
+        for mode in modes:
             engine = Engine(model, None, [], EngineConfig(max_num_seqs=batch, num_pages=batch * 16 + 8,
-                                                          cuda_graphs=mode, backend=backend))
+                                                          cuda_graphs=graphs if mode == "overlap" else mode,
+                                                          backend=backend, overlap=mode == "overlap"))
             if mode == graphs:
                 attention = engine.runner.graphs.attention
             run_engine(engine, prompts[:batch], SamplingParams(max_new_tokens=8, ignore_eos=True))  # capture
@@ -185,7 +190,7 @@ def decode_graph_rows(name: str, device: str, batches: list[int], new_tokens: in
 
             seconds, tokens = best_of(repeats, timed)
             speeds[mode] = tokens / seconds
-            if batch == 1:
+            if batch == 1 and mode != "overlap":
                 rows.append(step_cost_row(engine, name, mode, cost_steps))
         limit = batch * limit_steps
         rows.append({"check": "graphs", "model": name, "setting": f"decode batch {batch}, bandwidth limit "
@@ -194,6 +199,12 @@ def decode_graph_rows(name: str, device: str, batches: list[int], new_tokens: in
                      "reference": f"eager {speeds['off']:.1f} tok/s ({speeds['off'] / limit:.1%}); greedy tokens "
                                   f"{same_tokens(outputs[graphs], outputs['off'])}; graphs attend by {attention}",
                      "ratio": f"{speeds[graphs] / speeds['off']:.2f}"})
+        if "overlap" in speeds:
+            rows.append({"check": "graphs", "model": name, "setting": f"decode batch {batch}, graphs + overlap",
+                         "value": f"{speeds['overlap']:.1f} tok/s ({speeds['overlap'] / limit:.1%})",
+                         "reference": f"graphs alone {speeds[graphs]:.1f} tok/s; greedy tokens "
+                                      f"{same_tokens(outputs['overlap'], outputs[graphs])}",
+                         "ratio": f"{speeds['overlap'] / speeds[graphs]:.2f}"})
     del model
     return rows
 

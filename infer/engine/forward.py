@@ -57,21 +57,31 @@ def decode_run_step(runs: DecodeRuns, rows: PlainRows, pool: PagePool, max_model
     order, else a new run's first where a batch of one-token rows fits one (`DecodeRuns.fits`) and the pool holds
     the pages its steps write (reserved here); None (a step built alone) otherwise. Not with a drafter attached:
     every step then writes the page tables' tails its own way."""
-    request_ids = [r.request_id for r, _ in rows.scheduled]
-    meta = runs.next_step(request_ids, rows.kv_lens)
-    if meta is not None or rows.num_tokens != len(rows.scheduled) or not runs.fits(rows.kv_lens):
+    if rows.num_tokens != len(rows.scheduled):
+        return runs.next_step([r.request_id for r, _ in rows.scheduled], rows.kv_lens)
+    return decode_batch_step(runs, [r for r, _ in rows.scheduled], rows.kv_lens, rows.page_lists, pool,
+                             max_model_len)
+
+
+def decode_batch_step(runs: DecodeRuns, requests: list[Request], kv_lens: list[int], page_lists: list[list[int]],
+                      pool: PagePool, max_model_len: int, unread: int = 0) -> PageMetadata | None:
+    """`decode_run_step` for a batch of one-token rows given by its requests and kv lengths (an overlapped step's
+    rows are not on the host as PlainRows: `infer.engine.overlap`); unread: tokens each request has sampled that
+    the host has not appended yet (they count against max_new_tokens)."""
+    request_ids = [r.request_id for r in requests]
+    meta = runs.next_step(request_ids, kv_lens)
+    if meta is not None or not runs.fits(kv_lens):
         return meta
-    requests = [r for r, _ in rows.scheduled]
     # the run ends where the first request would stop for length (an earlier stop ends it too) or meet the
     # context's end
-    steps = min(runs.next_steps, *(r.params.max_new_tokens - len(r.output_ids) for r in requests),
-                *(max_model_len - kv + 1 for kv in rows.kv_lens))
-    ends = [kv + steps - 1 for kv in rows.kv_lens]
+    steps = min(runs.next_steps, *(r.params.max_new_tokens - len(r.output_ids) - unread for r in requests),
+                *(max_model_len - kv + 1 for kv in kv_lens))
+    ends = [kv + steps - 1 for kv in kv_lens]
     if steps <= 1 or sum(r.page_table.pages_to_grow(end) for r, end in zip(requests, ends)) > pool.num_free:
         return None
     for request, end in zip(requests, ends):
         request.page_table.extend(end)
-    return runs.start(request_ids, rows.page_lists, rows.kv_lens, steps)
+    return runs.start(request_ids, page_lists, kv_lens, steps)
 
 
 class TargetForward:

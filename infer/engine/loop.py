@@ -2,7 +2,8 @@
 
 `Engine` composes a scheduler (`infer.engine.scheduler`), a runner (`infer.model_runner`), a drafter when one is
 attached (`infer.speculative`, one call a step: `Drafter.propose`) and an output processor
-(`infer.engine.output`); `step` reads top to bottom.
+(`infer.engine.output`); `step` reads top to bottom. Without a drafter, `EngineConfig.overlap` launches each
+step before the host reads the one before it (`infer.engine.overlap`).
 """
 
 from __future__ import annotations
@@ -19,6 +20,7 @@ from transformers import PreTrainedTokenizerBase
 from infer.cuda_graphs import GraphSettings
 from infer.engine.forward import PlainRows, TargetForward, decode_run_step
 from infer.engine.output import OutputProcessor
+from infer.engine.overlap import LaunchedStep, follow_on
 from infer.engine.request import Request, per_prompt
 from infer.engine.scheduler import Scheduler
 from infer.kv_cache import PagePool, PageTable, pages_needed
@@ -44,6 +46,9 @@ class EngineConfig:
     # "on": decode, verify and the drafter's uniform forwards replay CUDA graphs (off until the GPU check has passed
     # on a device); "padded": the same padded static-buffer path run eagerly (CPU tests); "off" (`infer.cuda_graphs`)
     cuda_graphs: str = "off"
+    # plain decode steps (no drafter) launch the next step from the device's sampled tokens before the host reads
+    # them (`infer.engine.overlap`); the same tokens either way, off by default until the GPU check has timed it
+    overlap: bool = False
 
 
 class Engine:
@@ -81,6 +86,7 @@ class Engine:
         # always num_draft_tokens. A server sets it from the head's recommended K per batch size.
         self.draft_k_for_batch: Callable[[int], int] | None = None
         self.spec_stats: SpecStats | None = None
+        self._pending: LaunchedStep | None = None  # with overlap: the step launched whose tokens are still unread
 
     @property
     def waiting(self) -> deque[Request]:
@@ -224,6 +230,7 @@ class Engine:
         for request in reversed(running):
             self.scheduler.requeue(request)
         self.runner.decode_runs.reset()
+        self._pending = None  # its requests recompute from their first token; the unread tokens come again
         return running
 
     def has_unfinished(self) -> bool:
@@ -238,12 +245,11 @@ class Engine:
         prefill chunks and plain decodes (verify rows packed after them); the drafter is then handed every row of
         that forward, before the host reads what was sampled or accepted.
         """
-        scheduled = self.scheduler.schedule()
+        if self.config.overlap and self.drafter is None:
+            return self._overlapped_step()
+        scheduled = self._schedule()
         if not scheduled:
-            if self.waiting:
-                raise RuntimeError("no request fits in the KV cache; raise num_pages or lower max_num_seqs")
             return []
-        self.num_steps += 1
         drafter, k = self.drafter, self._step_k(len(scheduled))
         speculating = self.scheduler.speculating(scheduled, k) if drafter and k else []
         chosen = {r.request_id for r in speculating}
@@ -262,11 +268,7 @@ class Engine:
                                                       [r.generator for r in speculating])
         else:
             forward(None)
-        sampled = None
-        if rows.sampling:
-            requests = [r for r, _ in rows.sampling]
-            tensors = SamplingTensors.from_params([r.params for r in requests], self.device)
-            sampled = sample(forward.output.logits[: len(requests)], tensors, [r.generator for r in requests])
+        sampled = self._sample_plain(rows, forward).sampled
         if drafter is not None:
             drafter.propose(forward.target_rows(sampled, emitted, num_emitted))
         # the host reads the step's tokens only now, in one copy: the drafter is launched
@@ -275,6 +277,47 @@ class Engine:
         if speculating:
             self._record_spec_time(speculating, time.perf_counter() - start, drafter.seconds - drafter_s)
             self._settle_speculation(speculating, emitted_ids, finished)
+        if finished:
+            self.scheduler.remove_finished()
+        return finished
+
+    def _schedule(self) -> list[tuple[Request, int]]:
+        """This step's (request, new tokens) pairs (`Scheduler.schedule`), counted as a step when there are any."""
+        scheduled = self.scheduler.schedule()
+        if not scheduled and self.waiting:
+            raise RuntimeError("no request fits in the KV cache; raise num_pages or lower max_num_seqs")
+        self.num_steps += bool(scheduled)
+        return scheduled
+
+    def _sample_plain(self, rows: PlainRows, forward: TargetForward) -> LaunchedStep:
+        """Sample the plain rows that end a request's known tokens, on the device (nothing read back)."""
+        requests = [r for r, _ in rows.sampling]
+        if not requests:
+            return LaunchedStep([], None, None)
+        tensors = SamplingTensors.from_params([r.params for r in requests], self.device)
+        sampled = sample(forward.output.logits[: len(requests)], tensors, [r.generator for r in requests])
+        return LaunchedStep(requests, sampled, tensors)
+
+    def _overlapped_step(self) -> list[Request]:
+        """A step without a drafter, overlapped (`infer.engine.overlap`): the step launched last time (or one
+        scheduled now), then the step after it launched from its device-side tokens where it can be, and only then
+        the host's read of the first one's tokens. Returns the requests that finished in the read."""
+        launched, self._pending = self._pending, None
+        if launched is None or not launched.live:
+            scheduled = self._schedule()
+            if not scheduled:
+                return []
+            rows = PlainRows(scheduled)
+            meta = decode_run_step(self.runner.decode_runs, rows, self.pool, self.max_model_len)
+            forward = TargetForward(self.runner, self.config.page_size, rows, [], 0, (), meta)
+            forward(None)
+            launched = self._sample_plain(rows, forward)
+        launched.copy_to_host()
+        self._pending = follow_on(self, launched)
+        sampled_ids = launched.tokens()
+        # a request that ended at the step before (or was aborted) had its row of this one computed: discarded
+        finished = [r for r, token in zip(launched.requests, sampled_ids)
+                    if not r.finished and self.output.append(r, token)]
         if finished:
             self.scheduler.remove_finished()
         return finished
