@@ -21,6 +21,9 @@ trained on and builds the function it computes; otherwise ExportError says why.
                 SGLang LlamaForCausalLMEagle3 (--speculative-algorithm EAGLE3); the speculators 0.9.0 converter
                 reads it. Aux layer ids in SGLang's convention (this project's aux layers, layer outputs). Heads with
                 head.norm_before_residual=false only: SGLang's layer adds the un-normed fused state.
+  dflash, sglang-dflash  block heads in vLLM speculators' dflash and SGLang's DFLASH layouts: refused, naming what
+                the engines need that this head lacks (their layers are Qwen3's, with per-head q/k norms, and embed
+                the mask rows as a reserved token id); the loaders' tables: mtp_train/engine_loaders.py DFLASH_LOADERS.
   speculators   EAGLE-3 heads in vLLM's speculators format (speculators_model_type eagle3, layers.0): vLLM
                 (vllm serve TARGET --speculative-config '{"model": "DIR", ...}', versions with
                 vllm/transformers_utils/configs/speculators) and the speculators 0.9.0 package's Eagle3DraftModel.
@@ -64,11 +67,12 @@ from infer.models.mtp_head import (
     read_head_config,
     save_head,
 )
-from mtp_train.engine_loaders import engine_layer_ids, loaders
+from mtp_train.engine_loaders import DFLASH_NEEDS, engine_layer_ids, loaders
 from mtp_train.export_names import MODULE_NAMES, from_format, fuse_layer, split_fused, to_format
 
-FORMATS = ("runtime", "eagle", "sglang-nextn", "eagle3", "speculators")
+FORMATS = ("runtime", "eagle", "sglang-nextn", "eagle3", "speculators", "dflash", "sglang-dflash")
 EAGLE3_FORMATS = ("eagle3", "speculators")  # an EAGLE-3 head's, besides runtime
+DFLASH_FORMATS = ("dflash", "sglang-dflash")  # a block head's, besides runtime (refused: DFLASH_NEEDS)
 EXPORT_VERSION = 2
 HIDDEN_STATES = {"pre_norm": "target's last decoder layer output, before the final norm",
                  "post_norm": "target's last decoder layer output, after the final norm"}
@@ -183,8 +187,13 @@ def check_exportable(config: MTPHeadConfig, fmt: str, num_target_layers: int | N
     if fmt == "runtime":
         return
     if config.architecture == "block":
-        raise ExportError(f"a block head exports to the runtime format only: the {fmt!r} format holds another "
-                          "architecture (the speculators dflash and SGLang DFLASH layouts are not written yet)")
+        if fmt not in DFLASH_FORMATS:
+            raise ExportError(f"a block head exports to the runtime, dflash or sglang-dflash format, not {fmt!r}")
+        lacks = [DFLASH_NEEDS["qk_norm"]] + ([DFLASH_NEEDS["mask_token_id"]] if config.mask_token_id is None else [])
+        raise ExportError(f"the {fmt} engines' DFlash drafters need {'; and '.join(lacks)}: serve it with the "
+                          "runtime format")
+    if fmt in DFLASH_FORMATS:
+        raise ExportError(f"the {fmt} format holds block heads (head=block), not this {config.architecture} head")
     if config.architecture == "eagle3":
         if fmt not in EAGLE3_FORMATS:
             raise ExportError(f"an EAGLE-3 head exports to the runtime, eagle3 or speculators format, not "

@@ -43,7 +43,7 @@ MIN_BLOCK_SIZE = 2  # the pending token and at least one mask row
 
 
 def block_config_fields(target_config: PretrainedConfig, layer_ids: list[int] | None, block_size: int,
-                        num_layers: int) -> dict:
+                        num_layers: int, mask_token_id: int | None = None) -> dict:
     """MTPHeadConfig's block-head fields for a target, checked (HeadLoadError naming the value)."""
     if target_config.model_type != "llama":
         raise HeadLoadError(f"block heads are built for Llama targets, not {target_config.model_type!r}")
@@ -55,8 +55,12 @@ def block_config_fields(target_config: PretrainedConfig, layer_ids: list[int] | 
         raise HeadLoadError(f"head.block_size={block_size}: a block holds the pending token and >= 1 mask row (>= 2)")
     if num_layers < 1:
         raise HeadLoadError(f"head.num_layers={num_layers} must be >= 1")
+    if mask_token_id is not None and not 0 <= int(mask_token_id) < target_config.vocab_size:
+        raise HeadLoadError(f"head.mask_token_id={mask_token_id} is not a token of the target's "
+                            f"{target_config.vocab_size}-token vocabulary")
     return dict(aux_layer_ids=ids, block_size=int(block_size), num_layers=int(num_layers), enorm=False, hnorm=False,
-                final_norm=True, proj_bias=False, layer_input_norm=True)
+                final_norm=True, proj_bias=False, layer_input_norm=True,
+                mask_token_id=None if mask_token_id is None else int(mask_token_id))
 
 
 def block_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
@@ -136,7 +140,8 @@ class BlockHead(DraftHead):
         decoder_config = config.decoder_config()
         self.fc = nn.Linear(len(config.aux_layer_ids) * hidden, hidden, bias=False)
         self.hidden_norm = RMSNorm(hidden, config.rms_norm_eps)
-        self.mask_embedding = nn.Parameter(torch.zeros(hidden))
+        if config.mask_token_id is None:  # no reserved id: a learned row (else the target's frozen row of that id)
+            self.mask_embedding = nn.Parameter(torch.zeros(hidden))
         self.layers = nn.ModuleList(BlockDecoderLayer(decoder_config) for _ in range(config.num_layers))
         self.final_norm = RMSNorm(hidden, config.rms_norm_eps)
         self.rotary_emb = RotaryEmbedding(decoder_config, self.layers[0].self_attn.head_dim)
@@ -165,8 +170,16 @@ class BlockHead(DraftHead):
         """first_ids [N] (each block's pending token) -> [N, B, H]: its embedding, then the mask embedding."""
         block_size = block_size or self.block_size
         emb = cast(self.shared.embed_tokens(first_ids), self.fc.weight.dtype)  # [N, H]
-        masks = self.mask_embedding.to(emb.dtype).expand(emb.shape[0], block_size - 1, -1)
+        mask = self.mask_row().to(emb.dtype)
+        masks = mask.expand(emb.shape[0], block_size - 1, -1)
         return torch.cat((emb[:, None], masks), dim=1)
+
+    def mask_row(self) -> torch.Tensor:
+        """[H] the mask rows' input: the learned embedding, or the target's (frozen) row of the reserved id."""
+        if self.config.mask_token_id is None:
+            return self.mask_embedding
+        token = torch.tensor([self.config.mask_token_id], device=self.fc.weight.device)
+        return self.shared.embed_tokens(token)[0]
 
     def block_hidden(self, x: torch.Tensor, positions: torch.Tensor, context: list[torch.Tensor],
                      ctx_valid: torch.Tensor) -> torch.Tensor:

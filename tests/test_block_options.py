@@ -1,7 +1,7 @@
-"""D-PACE per-position weights for the block head (mtp_train.block_unroll, head.position_weight=dpace): the weights
-against hand-worked values, the draft confidence they read, the objective's loss against a materialised reference
+"""The block head's training options. D-PACE per-position weights (mtp_train.block_unroll,
+head.position_weight=dpace): the weights against hand-worked values, the draft confidence they read, the objective's loss against a materialised reference
 on an untrained block head started from stories260K's last layer, a few training steps with it, and its config
-values."""
+values; head.mask_token_id from the config into the head (its function: tests/test_block_head.py)."""
 
 from __future__ import annotations
 
@@ -13,6 +13,7 @@ from infer.engine import Engine, EngineConfig
 from infer.models.mtp_head import init_head_from_target
 from mtp_train.block_unroll import BlockObjective, block_outputs, block_rows, dpace_weights, greedy_confidence
 from mtp_train.config import compose_training
+from mtp_train.heads import head_config
 from mtp_train.losses import target_distribution
 from mtp_train.unroll import LossWeights
 from tests.fitted_block_head import objective_for
@@ -109,3 +110,12 @@ def test_position_weight_config_values_are_checked():
         compose_training(["head=block", "head.position_weight=linear"], complete=False)
     with pytest.raises(ConfigError, match="head.dpace_alpha must be"):
         compose_training(["head=block", "head.dpace_alpha=0"], complete=False)
+
+
+def test_mask_token_id_config_reaches_the_head_config(stories_model):
+    cfg = compose_training(["head=block", "head.mask_token_id=3"], complete=False)
+    assert head_config(stories_model.config, cfg.head, {}).mask_token_id == 3
+    assert head_config(stories_model.config, compose_training(["head=block"], complete=False).head,
+                       {}).mask_token_id is None  # the recipe's: a learned mask row
+    with pytest.raises(ConfigError, match="head.mask_token_id must be >= 0"):
+        compose_training(["head=block", "head.mask_token_id=-1"], complete=False)
