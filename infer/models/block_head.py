@@ -2,7 +2,8 @@
 
 The head reads the target's fused features at the settled positions 0..p-1 (its "context") and a query block of B
 rows at positions p..p+B-1: the last emitted (pending) token's embedding, then B-1 copies of a learned mask
-embedding (stories260K's 512-token vocabulary has no spare id to embed instead). Each of its `num_layers` Llama-shaped
+embedding (stories260K's 512-token vocabulary has no spare id to embed instead), or of the target's embedding of
+a reserved `mask_token_id` where the config names one. Each of its `num_layers` Llama-shaped
 decoder layers attends from the block rows to
 
     keys/values of the context: k_proj / v_proj of c_j = hidden_norm(fc([h^l1_j ; ... ; h^ln_j]))  (rotated at j)
@@ -19,7 +20,8 @@ record and runs many blocks against it (mtp_train.block_unroll).
 
 Shapes and layout follow z-lab/dflash model/dflash.py (a3516f8): k/v of context and block by the same projections,
 fc + hidden_norm fusing the target layers, a final norm before the target's lm_head; unlike it (a Qwen3 draft) a
-Llama layer has no q/k norms, and the mask row is a learned vector rather than a reserved token's embedding.
+Llama layer has no q/k norms, and the mask row is by default a learned vector rather than a reserved token's
+embedding.
 
 Layer ids: EAGLE-3's convention (infer.models.eagle3_head): id i is the stream entering decoder layer i, infer's
 aux output of layer i - 1; any number of distinct ids in 1..L.
@@ -126,7 +128,7 @@ class BlockDecoderLayer(nn.Module):
 
 
 class BlockHead(DraftHead):
-    """fc + hidden_norm (the context features), a learned mask embedding, `num_layers` block decoder layers, a final
+    """fc + hidden_norm (the context features), a mask row (learned, or a reserved token's), `num_layers` block decoder layers, a final
     norm; the target's embedding and lm_head shared."""
 
     def __init__(self, config: MTPHeadConfig) -> None:
