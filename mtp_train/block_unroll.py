@@ -15,11 +15,11 @@ Anchors: `anchors_per_record` distinct ones a record, drawn from a generator see
     loss = sum_k w_k / N_k * sum_{anchors} mask (w_kl KL + w_ce CE + w_tv TV),   w_k = exp(-(k-1) / gamma)
 
 (gamma <= 0: w_k = 1.), or with position_weight="dpace" D-PACE's per-block weights (arXiv 2605.18810; vLLM
-speculators' default for dflash, `dpace_weights`). N_k, the trained rows at block position k over the global batch, is the trainer's
-normaliser, as the unrolled heads' (mtp_train.unroll). Stats columns are mtp_train.unroll.STATS with `reached`:
-block rows whose earlier rows all agreed with the target's argmax (the runtime's verify reaches them), so
-reached_top1 / reached is the conditional acceptance at block position k. The block positions take the place of
-the unroll steps in every report (k-th "step" = draft position k+1).
+speculators' default for dflash, `dpace_weights`). N_k, the trained rows at block position k over the global batch,
+is the trainer's normaliser, as the unrolled heads' (mtp_train.unroll). Stats columns are mtp_train.unroll.STATS
+with `reached`: block rows whose earlier rows all agreed with the target's argmax (the runtime's verify reaches
+them), so reached_top1 / reached is the conditional acceptance at block position k. The block positions take the
+place of the unroll steps in every report (k-th "step" = draft position k+1).
 
 Per-position weights: the exp(-(k-1)/gamma) decay of the DFlash paper (arXiv 2602.06036, its eq. for the
 position-weighted CE), or D-PACE (arXiv 2605.18810) as speculators 0.9.0 computes it (speculators/losses/utils.py

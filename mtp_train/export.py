@@ -21,9 +21,12 @@ trained on and builds the function it computes; otherwise ExportError says why.
                 SGLang LlamaForCausalLMEagle3 (--speculative-algorithm EAGLE3); the speculators 0.9.0 converter
                 reads it. Aux layer ids in SGLang's convention (this project's aux layers, layer outputs). Heads with
                 head.norm_before_residual=false only: SGLang's layer adds the un-normed fused state.
-  dflash, sglang-dflash  block heads in vLLM speculators' dflash and SGLang's DFLASH layouts: refused, naming what
-                the engines need that this head lacks (their layers are Qwen3's, with per-head q/k norms, and embed
-                the mask rows as a reserved token id); the loaders' tables: mtp_train/engine_loaders.py DFLASH_LOADERS.
+  dflash        block heads in speculators' dflash layout: the speculators 0.9.0 package's DFlashDraftModel; vLLM
+                (vllm serve TARGET --speculative-config '{"model": "DIR", ...}', method from speculators_model_type).
+  sglang-dflash block heads in z-lab/dflash's layout (dflash_config): SGLang --speculative-algorithm DFLASH.
+  Both DFlash formats take block heads with head.qk_norm=true (the engines' layers are Qwen3's: per-head q/k norms)
+  and a reserved head.mask_token_id (the engines embed the mask rows as that token); others are refused, naming
+  what they lack (mtp_train.export_dflash).
   speculators   EAGLE-3 heads in vLLM's speculators format (speculators_model_type eagle3, layers.0): vLLM
                 (vllm serve TARGET --speculative-config '{"model": "DIR", ...}', versions with
                 vllm/transformers_utils/configs/speculators) and the speculators 0.9.0 package's Eagle3DraftModel.
@@ -67,12 +70,13 @@ from infer.models.mtp_head import (
     read_head_config,
     save_head,
 )
-from mtp_train.engine_loaders import DFLASH_NEEDS, engine_layer_ids, loaders
+from mtp_train.engine_loaders import engine_layer_ids, loaders
+from mtp_train.export_dflash import (DFLASH_FORMATS, dflash_config, dflash_problems, dflash_tensors, from_dflash,
+                                    own_fields)
 from mtp_train.export_names import MODULE_NAMES, from_format, fuse_layer, split_fused, to_format
 
 FORMATS = ("runtime", "eagle", "sglang-nextn", "eagle3", "speculators", "dflash", "sglang-dflash")
 EAGLE3_FORMATS = ("eagle3", "speculators")  # an EAGLE-3 head's, besides runtime
-DFLASH_FORMATS = ("dflash", "sglang-dflash")  # a block head's, besides runtime (refused: DFLASH_NEEDS)
 EXPORT_VERSION = 2
 HIDDEN_STATES = {"pre_norm": "target's last decoder layer output, before the final norm",
                  "post_norm": "target's last decoder layer output, after the final norm"}
@@ -189,9 +193,14 @@ def check_exportable(config: MTPHeadConfig, fmt: str, num_target_layers: int | N
     if config.architecture == "block":
         if fmt not in DFLASH_FORMATS:
             raise ExportError(f"a block head exports to the runtime, dflash or sglang-dflash format, not {fmt!r}")
-        lacks = [DFLASH_NEEDS["qk_norm"]] + ([DFLASH_NEEDS["mask_token_id"]] if config.mask_token_id is None else [])
-        raise ExportError(f"the {fmt} engines' DFlash drafters need {'; and '.join(lacks)}: serve it with the "
-                          "runtime format")
+        if lacks := dflash_problems(config):
+            raise ExportError(f"the {fmt} engines' DFlash drafters need {'; and '.join(lacks)}: serve it with the "
+                              "runtime format")
+        if num_target_layers is not None and max(config.aux_layer_ids) >= num_target_layers:
+            raise ExportError(f"this block head fuses id {max(config.aux_layer_ids)}, the target's last layer's "
+                              f"output: the engines capture only the streams entering layers 0.."
+                              f"{num_target_layers - 1}; serve it with the runtime format")
+        return
     if fmt in DFLASH_FORMATS:
         raise ExportError(f"the {fmt} format holds block heads (head=block), not this {config.architecture} head")
     if config.architecture == "eagle3":
@@ -332,6 +341,13 @@ def export_head(head: str | Path | DraftHead, fmt: str, out: str | Path, target:
     if fmt == "runtime":
         return save_head(head, out, overwrite=overwrite)
     target_path = str(target) if target is not None else None
+    if fmt in DFLASH_FORMATS:
+        target_info = {**config.target, **({"path": target_path} if target_path else {})}
+        own = own_fields(config, fmt, source, target_info, EXPORT_VERSION,
+                         [f"{loader.engine} {loader.cls}" for loader in loaders(fmt)])
+        decoder = {**decoder_fields(config.decoder), "vocab_size": config.vocab_size}
+        return write_folder(out, dflash_tensors(head), dflash_config(config, fmt, decoder, own, target_path or
+                                                                     config.target["name"]), overwrite)
     if fmt in EAGLE3_FORMATS:
         state, aux_layers = eagle3_state(head)
         return write_folder(out, eagle3_tensors(state, config.decoder_config(), fmt),
@@ -368,17 +384,21 @@ def load_export(path: str | Path, target: nn.Module, dtype: torch.dtype | None =
     if "mtp_head" not in raw:  # infer's own head folder
         return load_head(path, target, dtype)
     fmt = raw.get("export", {}).get("format")
-    if fmt not in MODULE_NAMES and fmt not in EAGLE3_FORMATS:
+    if fmt not in MODULE_NAMES and fmt not in EAGLE3_FORMATS and fmt not in DFLASH_FORMATS:
         raise HeadLoadError(f"{config_file}: unknown export format {fmt!r}")
     try:
         config = MTPHeadConfig(**raw["mtp_head"])
     except TypeError as err:
         raise HeadLoadError(f"{config_file}: 'mtp_head' is not a head config: {err}") from err
-    if (fmt in EAGLE3_FORMATS) != (config.architecture == "eagle3"):
+    if (fmt in EAGLE3_FORMATS) != (config.architecture == "eagle3") or \
+            (fmt in DFLASH_FORMATS) != (config.architecture == "block"):
         raise HeadLoadError(f"{config_file}: a {fmt} export cannot hold a {config.architecture} head")
     check_target(config, target, str(config_file))
     head = head_module(config)
     tensors = load_file(str(weights_file))
+    if fmt in DFLASH_FORMATS:
+        load_weights(head, from_dflash(tensors, config, weights_file), weights_file)
+        return attach_to_target(head, target, dtype, where=str(config_file))
     if fmt not in EAGLE3_FORMATS:
         load_weights(head, from_format(tensors, config, fmt, weights_file), weights_file)
         return attach_to_target(head, target, dtype, where=str(config_file))

@@ -20,8 +20,9 @@ record and runs many blocks against it (mtp_train.block_unroll).
 
 Shapes and layout follow z-lab/dflash model/dflash.py (a3516f8): k/v of context and block by the same projections,
 fc + hidden_norm fusing the target layers, a final norm before the target's lm_head; unlike it (a Qwen3 draft) a
-Llama layer has no q/k norms, and the mask row is by default a learned vector rather than a reserved token's
-embedding.
+Llama layer has no q/k norms (optional: `qk_norm`, Qwen3's per-head RMSNorm of q and k before rope, on the
+context keys too, which the engines' DFlash layers always have), and the mask row is by default a learned vector
+rather than a reserved token's embedding.
 
 Layer ids: EAGLE-3's convention (infer.models.eagle3_head): id i is the stream entering decoder layer i, infer's
 aux output of layer i - 1; any number of distinct ids in 1..L.
@@ -45,7 +46,7 @@ MIN_BLOCK_SIZE = 2  # the pending token and at least one mask row
 
 
 def block_config_fields(target_config: PretrainedConfig, layer_ids: list[int] | None, block_size: int,
-                        num_layers: int, mask_token_id: int | None = None) -> dict:
+                        num_layers: int, mask_token_id: int | None = None, qk_norm: bool = False) -> dict:
     """MTPHeadConfig's block-head fields for a target, checked (HeadLoadError naming the value)."""
     if target_config.model_type != "llama":
         raise HeadLoadError(f"block heads are built for Llama targets, not {target_config.model_type!r}")
@@ -62,7 +63,7 @@ def block_config_fields(target_config: PretrainedConfig, layer_ids: list[int] | 
                             f"{target_config.vocab_size}-token vocabulary")
     return dict(aux_layer_ids=ids, block_size=int(block_size), num_layers=int(num_layers), enorm=False, hnorm=False,
                 final_norm=True, proj_bias=False, layer_input_norm=True,
-                mask_token_id=None if mask_token_id is None else int(mask_token_id))
+                mask_token_id=None if mask_token_id is None else int(mask_token_id), qk_norm=bool(qk_norm))
 
 
 def block_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
@@ -80,7 +81,7 @@ def block_aux_layers(target_config: PretrainedConfig, layer_ids: list[int] | Non
 class BlockAttention(nn.Module):
     """q from the block rows; k/v from the context features and from the block rows, by the same projections."""
 
-    def __init__(self, config: LlamaConfig) -> None:
+    def __init__(self, config: LlamaConfig, qk_norm: bool = False) -> None:
         super().__init__()
         hidden = config.hidden_size
         self.num_heads = config.num_attention_heads
@@ -91,10 +92,15 @@ class BlockAttention(nn.Module):
         self.k_proj = nn.Linear(hidden, self.num_kv_heads * self.head_dim, bias=bias)
         self.v_proj = nn.Linear(hidden, self.num_kv_heads * self.head_dim, bias=bias)
         self.o_proj = nn.Linear(self.num_heads * self.head_dim, hidden, bias=bias)
+        if qk_norm:  # Qwen3's per-head RMSNorm of q and k before rope, as the engines' DFlash layers have
+            self.q_norm = RMSNorm(self.head_dim, config.rms_norm_eps)
+            self.k_norm = RMSNorm(self.head_dim, config.rms_norm_eps)
+        self.qk_norm = qk_norm
 
     def kv(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """x [T, H] -> rotated k, v [T, kv heads, head_dim]."""
         k = self.k_proj(x).unflatten(-1, (self.num_kv_heads, self.head_dim))
+        k = self.k_norm(k) if self.qk_norm else k
         v = self.v_proj(x).unflatten(-1, (self.num_kv_heads, self.head_dim))
         return apply_rope_half(k, cos, sin), v
 
@@ -104,7 +110,8 @@ class BlockAttention(nn.Module):
         ctx_valid [N, L] the context keys each block sees -> [N, B, H]."""
         n, b, _ = x.shape
         flat = x.flatten(0, 1)
-        q = apply_rope_half(self.q_proj(flat).unflatten(-1, (self.num_heads, self.head_dim)), cos, sin)
+        q = self.q_proj(flat).unflatten(-1, (self.num_heads, self.head_dim))
+        q = apply_rope_half(self.q_norm(q) if self.qk_norm else q, cos, sin)
         k, v = self.kv(flat, cos, sin)
         k = torch.cat((ctx_k.expand(n, -1, -1, -1), k.unflatten(0, (n, b))), dim=1)  # [N, L+B, kvh, D]
         v = torch.cat((ctx_v.expand(n, -1, -1, -1), v.unflatten(0, (n, b))), dim=1)
@@ -113,9 +120,9 @@ class BlockAttention(nn.Module):
 
 
 class BlockDecoderLayer(nn.Module):
-    def __init__(self, config: LlamaConfig) -> None:
+    def __init__(self, config: LlamaConfig, qk_norm: bool = False) -> None:
         super().__init__()
-        self.self_attn = BlockAttention(config)
+        self.self_attn = BlockAttention(config, qk_norm)
         self.mlp = LlamaMLP(config.hidden_size, config.intermediate_size, getattr(config, "mlp_bias", False),
                             current())
         self.input_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
@@ -128,8 +135,8 @@ class BlockDecoderLayer(nn.Module):
 
 
 class BlockHead(DraftHead):
-    """fc + hidden_norm (the context features), a mask row (learned, or a reserved token's), `num_layers` block decoder layers, a final
-    norm; the target's embedding and lm_head shared."""
+    """fc + hidden_norm (the context features), a mask row (learned, or a reserved token's), `num_layers` block
+    decoder layers, a final norm; the target's embedding and lm_head shared."""
 
     def __init__(self, config: MTPHeadConfig) -> None:
         super().__init__(config)
@@ -144,7 +151,7 @@ class BlockHead(DraftHead):
         self.hidden_norm = RMSNorm(hidden, config.rms_norm_eps)
         if config.mask_token_id is None:  # no reserved id: a learned row (else the target's frozen row of that id)
             self.mask_embedding = nn.Parameter(torch.zeros(hidden))
-        self.layers = nn.ModuleList(BlockDecoderLayer(decoder_config) for _ in range(config.num_layers))
+        self.layers = nn.ModuleList(BlockDecoderLayer(decoder_config, config.qk_norm) for _ in range(config.num_layers))
         self.final_norm = RMSNorm(hidden, config.rms_norm_eps)
         self.rotary_emb = RotaryEmbedding(decoder_config, self.layers[0].self_attn.head_dim)
         self.target_aux_layers = tuple(i - 1 for i in config.aux_layer_ids)
@@ -231,7 +238,8 @@ class BlockHead(DraftHead):
         with torch.no_grad():
             for block_layer in self.layers:
                 missing, unexpected = block_layer.load_state_dict(state, strict=False)
-                if missing or unexpected:
+                missing = [name for name in missing if not name.endswith(("q_norm.weight", "k_norm.weight"))]
+                if missing or unexpected:  # (q/k norms, which a Llama layer lacks, start at ones)
                     raise HeadLoadError(f"a block layer from a target layer: missing {missing[:4]}, unexpected "
                                         f"{unexpected[:4]}")
 

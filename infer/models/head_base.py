@@ -57,6 +57,7 @@ class MTPHeadConfig:
     block_size: int = 0
     num_layers: int = 1
     mask_token_id: int | None = None
+    qk_norm: bool = False  # Qwen3's per-head q/k RMSNorm in each block layer (the engines' DFlash layers have it)
 
     def num_draft_tokens_for(self, batch_size: int) -> int | None:
         """The recommended K at the largest measured batch size <= batch_size (the smallest one below them all); 0
