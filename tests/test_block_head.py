@@ -181,8 +181,7 @@ def test_forward_costs_price_one_block_forward_a_step(stories_model, stories_tok
     assert printed.one_forward and printed.drafting(7) == pytest.approx(costs.drafting(7), rel=1e-2)
 
 
-def test_block_heads_export_to_the_runtime_format_and_dflash_refuses_naming_what_it_lacks(stories_model, tmp_path,
-                                                                                        capsys):
+def test_dflash_formats_refuse_a_block_head_naming_what_it_lacks(stories_model, tmp_path, capsys):
     head = init_head_from_target(stories_model, "stories260K", "block", block_size=4)
     check_exportable(head.config, "runtime")  # control: the runtime format takes it
     with pytest.raises(ExportError, match="a block head exports to the runtime, dflash or sglang-dflash format"):
@@ -195,6 +194,13 @@ def test_block_heads_export_to_the_runtime_format_and_dflash_refuses_naming_what
     with pytest.raises(ExportError) as refused:
         check_exportable(reserved.config, "dflash")
     assert "q_norm / k_norm" in str(refused.value) and "mask_token_id" not in str(refused.value)
+    normed = init_head_from_target(stories_model, "stories260K", "block", block_size=4, qk_norm=True)
+    with pytest.raises(ExportError) as refused:
+        check_exportable(normed.config, "sglang-dflash")
+    assert "a mask_token_id" in str(refused.value) and "q_norm" not in str(refused.value)
+    for fmt in DFLASH_FORMATS:  # control: with both, the formats take it (tests/test_export_dflash.py writes them)
+        check_exportable(init_head_from_target(stories_model, "stories260K", "block", block_size=4, qk_norm=True,
+                                               mask_token_id=3).config, fmt)
     mtp = init_head_from_target(stories_model, "stories260K", "mtp")
     with pytest.raises(ExportError, match="the sglang-dflash format holds block heads"):
         check_exportable(mtp.config, "sglang-dflash")

@@ -1,7 +1,7 @@
-"""The block head's training options. D-PACE per-position weights (mtp_train.block_unroll,
-head.position_weight=dpace): the weights against hand-worked values, the draft confidence they read, the objective's loss against a materialised reference
-on an untrained block head started from stories260K's last layer, a few training steps with it, and its config
-values; head.mask_token_id from the config into the head (its function: tests/test_block_head.py)."""
+"""The block head's training options. D-PACE per-position weights (mtp_train.block_unroll, head.position_weight=dpace):
+the weights against hand-worked values, the draft confidence they read, the objective's loss against a materialised
+reference on an untrained block head started from stories260K's last layer, a few training steps with it, and its
+config values; head.mask_token_id from the config into the head (its function: tests/test_block_head.py)."""
 
 from __future__ import annotations
 
