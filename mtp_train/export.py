@@ -71,9 +71,9 @@ from infer.models.mtp_head import (
     save_head,
 )
 from mtp_train.engine_loaders import engine_layer_ids, loaders
-from mtp_train.export_dflash import (DFLASH_FORMATS, dflash_config, dflash_problems, dflash_tensors, from_dflash,
-                                    own_fields)
-from mtp_train.export_names import MODULE_NAMES, from_format, fuse_layer, split_fused, to_format
+from mtp_train.export_dflash import (DFLASH_FORMATS, VERIFIER_ARCHITECTURES, dflash_config, dflash_problems,
+                                    dflash_tensors, from_dflash, own_fields)
+from mtp_train.export_names import MODULE_NAMES, aux_order, from_format, fuse_layer, split_fused, to_format
 
 FORMATS = ("runtime", "eagle", "sglang-nextn", "eagle3", "speculators", "dflash", "sglang-dflash")
 EAGLE3_FORMATS = ("eagle3", "speculators")  # an EAGLE-3 head's, besides runtime
@@ -82,7 +82,6 @@ HIDDEN_STATES = {"pre_norm": "target's last decoder layer output, before the fin
                  "post_norm": "target's last decoder layer output, after the final norm"}
 # An EAGLE-3 head's generic state dict (fc, layer.*, norm, lm_head, d2t, t2d; see eagle3_state) -> each layout's layer
 EAGLE3_LAYER = {"eagle3": "midlayer", "speculators": "layers.0"}
-EAGLE3_VERIFIER = ["LlamaForCausalLM"]  # EAGLE-3 heads are built for Llama targets only (eagle3_config_fields)
 
 
 class ExportError(ValueError):
@@ -90,13 +89,6 @@ class ExportError(ValueError):
 
 
 # --- EAGLE-3 layout (the EAGLE-1/2 and NextN names: mtp_train.export_names) -----------------------------------------
-def aux_order(config: MTPHeadConfig) -> list[int]:
-    """The positions of the head's aux layer ids in ascending order: the engines concatenate the captured states in
-    layer order (vLLM's and SGLang's Llama forwards append them as the layers run), the head in its ids' order."""
-    ids = config.aux_layer_ids
-    return sorted(range(len(ids)), key=ids.__getitem__)
-
-
 def eagle3_state(head: DraftHead) -> tuple[dict[str, torch.Tensor], list[int]]:
     """An EAGLE-3 head -> (its generic state dict, the aux layers it reads as this project's layer outputs, ascending).
 
@@ -278,7 +270,7 @@ def eagle3_export_config(config: MTPHeadConfig, fmt: str, aux_layers: list[int],
                 "algorithm": "eagle3", "default_proposal_method": "greedy",
                 "proposal_methods": [{"proposal_type": "greedy", "speculative_tokens": speculative_tokens}],
                 "verifier": {"name_or_path": target.get("path") or target["name"],
-                             "architectures": EAGLE3_VERIFIER}},
+                             "architectures": VERIFIER_ARCHITECTURES}},
             "draft_vocab_size": draft_vocab_size, "norm_before_residual": config.norm_before_residual,
             "target_hidden_size": config.hidden_size,
             "eagle_aux_hidden_state_layer_ids": engine_layer_ids(aux_layers, "vllm"), **own}

@@ -25,10 +25,11 @@ import torch
 
 from infer.models.mtp_head import DraftHead, HeadLoadError, MTPHeadConfig
 from mtp_train.engine_loaders import DFLASH_NEEDS
-from mtp_train.export_names import fuse_layer, split_fused
+from mtp_train.export_names import aux_order, fuse_layer, split_fused
 
 DFLASH_FORMATS = ("dflash", "sglang-dflash")
-VERIFIER_ARCHITECTURES = ["LlamaForCausalLM"]  # block heads are built for Llama targets (block_config_fields)
+# the speculators configs' verifier: EAGLE-3 and block heads are built for Llama targets only
+VERIFIER_ARCHITECTURES = ["LlamaForCausalLM"]
 
 
 def dflash_problems(config: MTPHeadConfig) -> list[str]:
@@ -37,18 +38,11 @@ def dflash_problems(config: MTPHeadConfig) -> list[str]:
         ([DFLASH_NEEDS["mask_token_id"]] if config.mask_token_id is None else [])
 
 
-def ascending(config: MTPHeadConfig) -> list[int]:
-    """The positions of the head's layer ids in ascending order: the engines concatenate the captured states in layer
-    order, the head in its ids' order (fc's column blocks are permuted to match)."""
-    ids = config.aux_layer_ids
-    return sorted(range(len(ids)), key=ids.__getitem__)
-
-
 def dflash_tensors(head: DraftHead) -> dict[str, torch.Tensor]:
     """A block head's state dict -> the DFlash tensors."""
     config = head.config
     state = {name: t.detach().contiguous().cpu() for name, t in head.state_dict().items()}
-    order = ascending(config)
+    order = aux_order(config)
     blocks = state.pop("fc.weight").chunk(len(order), dim=1)
     out = {"fc.weight": torch.cat([blocks[i] for i in order], dim=1),
            "hidden_norm.weight": state.pop("hidden_norm.weight"),
@@ -69,7 +63,7 @@ def from_dflash(tensors: dict[str, torch.Tensor], config: MTPHeadConfig, source:
     missing = [name for name in ("fc.weight", "hidden_norm.weight", "norm.weight") if name not in tensors]
     if missing:
         raise HeadLoadError(f"{source}: {missing[0]} is missing from this DFlash export")
-    order = ascending(config)
+    order = aux_order(config)
     blocks = tensors.pop("fc.weight").chunk(len(order), dim=1)  # block j is the head's order[j]
     state = {"fc.weight": torch.cat([blocks[order.index(position)] for position in range(len(order))], dim=1),
              "hidden_norm.weight": tensors.pop("hidden_norm.weight"), "final_norm.weight": tensors.pop("norm.weight")}
@@ -86,7 +80,7 @@ def from_dflash(tensors: dict[str, torch.Tensor], config: MTPHeadConfig, source:
 def dflash_config(config: MTPHeadConfig, fmt: str, decoder: dict, own: dict, verifier: str) -> dict:
     """config.json of a DFlash export. decoder: the head layers' Llama fields (mtp_train.export.decoder_fields), its
     layer count the head's; own: this project's fields (target, mtp_head, export)."""
-    ids = [config.aux_layer_ids[i] for i in ascending(config)]  # the stream entering layer i (vLLM's convention)
+    ids = [config.aux_layer_ids[i] for i in aux_order(config)]  # the stream entering layer i (vLLM's convention)
     layer = {**decoder, "model_type": "qwen3", "num_hidden_layers": config.num_layers, "attention_bias": False,
              "hidden_act": "silu", "tie_word_embeddings": False}
     if fmt == "dflash":
