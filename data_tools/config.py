@@ -95,12 +95,16 @@ class HeadConfig:
     num_key_value_heads: Optional[int] = field(default=None, metadata=at_least(1))  # EAGLE-3's (null: the target's)
     norm_before_residual: bool = False  # EAGLE-3: its residual starts from the normed fused state (conf/head/eagle3)
     # block heads (infer/models/block_head.py; layer_ids as EAGLE-3's): rows of the query block (block_size - 1
-    # drafts a forward), decoder layers, anchors drawn a record, and the per-position loss weights exp(-(k-1)/gamma)
-    # (gamma <= 0: equal weights)
+    # drafts a forward), decoder layers, anchors drawn a record, and the per-position loss weights: exp_decay
+    # exp(-(k-1)/gamma) (gamma <= 0: equal weights) or dpace (D-PACE, smoothing dpace_alpha; mtp_train.block_unroll)
     block_size: int = field(default=16, metadata=at_least(2, max=64))
     num_layers: int = field(default=1, metadata=at_least(1, max=16))
     anchors_per_record: int = field(default=32, metadata=at_least(1))
     gamma: float = 7.0
+    position_weight: str = field(default="exp_decay", metadata=one_of("exp_decay", "dpace"))
+    dpace_alpha: float = field(default=0.5, metadata=at_least(1e-6, max=1.0))
+    mask_token_id: Optional[int] = field(default=None, metadata=at_least(0))  # a reserved id; null: a learned row
+    qk_norm: bool = False  # per-head q/k RMSNorm (Qwen3's; what the engines' DFlash layers have: exportable)
 
 
 # --- precompute -----------------------------------------------------------------------------------------------

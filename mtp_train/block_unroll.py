@@ -14,14 +14,19 @@ Anchors: `anchors_per_record` distinct ones a record, drawn from a generator see
 
     loss = sum_k w_k / N_k * sum_{anchors} mask (w_kl KL + w_ce CE + w_tv TV),   w_k = exp(-(k-1) / gamma)
 
-(gamma <= 0: w_k = 1.) N_k, the trained rows at block position k over the global batch, is the trainer's
-normaliser, as the unrolled heads' (mtp_train.unroll). Stats columns are mtp_train.unroll.STATS with `reached`:
-block rows whose earlier rows all agreed with the target's argmax (the runtime's verify reaches them), so
-reached_top1 / reached is the conditional acceptance at block position k. The block positions take the place of
-the unroll steps in every report (k-th "step" = draft position k+1).
+(gamma <= 0: w_k = 1.), or with position_weight="dpace" D-PACE's per-block weights (arXiv 2605.18810; vLLM
+speculators' default for dflash, `dpace_weights`). N_k, the trained rows at block position k over the global batch,
+is the trainer's normaliser, as the unrolled heads' (mtp_train.unroll). Stats columns are mtp_train.unroll.STATS
+with `reached`: block rows whose earlier rows all agreed with the target's argmax (the runtime's verify reaches
+them), so reached_top1 / reached is the conditional acceptance at block position k. The block positions take the
+place of the unroll steps in every report (k-th "step" = draft position k+1).
 
-Per-position weights follow the exp(-(k-1)/gamma) decay of the DFlash paper (arXiv 2602.06036, its eq. for the
-position-weighted CE); D-PACE (arXiv 2605.18810) is not implemented.
+Per-position weights: the exp(-(k-1)/gamma) decay of the DFlash paper (arXiv 2602.06036, its eq. for the
+position-weighted CE), or D-PACE (arXiv 2605.18810) as speculators 0.9.0 computes it (speculators/losses/utils.py
+`dpace_loss_decay`, models/dflash/metrics.py): block n's row k gets w_nk = sum_{m>=k} prod_{j<=m} s_nj over its trained
+rows, s_nj = (1 - alpha) q_nj + alpha, q_nj the draft's probability of the target's greedy token (exp(-CE), detached):
+the gradient of the block's expected accepted length with respect to log q_nk, smoothed. Unlike speculators (which
+requires loss CE alone) the weights multiply whatever KL/CE/TV mix the head trains with.
 """
 
 from __future__ import annotations
@@ -30,6 +35,7 @@ import math
 from dataclasses import dataclass
 
 import torch
+import torch.nn.functional as F
 from torch import nn
 
 from infer.models.common import RMSNorm
@@ -117,12 +123,42 @@ def position_weights(block_size: int, gamma: float) -> list[float]:
     return [math.exp(-(k - 1) / gamma) if gamma > 0 else 1.0 for k in range(1, block_size)]
 
 
+POSITION_WEIGHTS = ("exp_decay", "dpace")
+
+
+def dpace_weights(confidence: torch.Tensor, trained: torch.Tensor, alpha: float) -> torch.Tensor:
+    """D-PACE's weights [N, B-1] from each row's draft confidence q [N, B-1] and trained mask: the smoothed prefix
+    products s = (1 - alpha) q + alpha (1 where untrained), summed from each trained row to the block's end."""
+    if not 0.0 < alpha <= 1.0:
+        raise ValueError(f"head.dpace_alpha={alpha} must be in (0, 1]")
+    mask = trained.to(confidence.dtype)
+    smooth = torch.where(trained, (1.0 - alpha) * confidence + alpha, torch.ones_like(confidence))
+    prefix = smooth.cumprod(-1) * mask
+    return prefix.flip(-1).cumsum(-1).flip(-1) * mask
+
+
+@torch.no_grad()
+def greedy_confidence(hidden: torch.Tensor, lm_head_weight: torch.Tensor, greedy: torch.Tensor,
+                      chunk: int) -> torch.Tensor:
+    """hidden [N, K, H] (after final_norm), greedy [N, K] the target's greedy draft index (-1: outside the draft
+    vocabulary) -> [N, K] fp32 the draft's probability of it (0 outside), [chunk, vocab] logits at a time."""
+    flat, ids = hidden.flatten(0, 1), greedy.flatten()
+    out = torch.zeros(ids.shape[0], dtype=torch.float32, device=hidden.device)
+    for start in range(0, ids.shape[0], chunk):
+        end = min(start + chunk, ids.shape[0])
+        log_q = torch.log_softmax(F.linear(flat[start:end].float(), lm_head_weight.float()), dim=-1)
+        picked = log_q.gather(1, ids[start:end].clamp(min=0)[:, None])[:, 0].exp()
+        out[start:end] = torch.where(ids[start:end] >= 0, picked, 0.0)
+    return out.view(greedy.shape)
+
+
 class BlockObjective(nn.Module):
     """The module DeepSpeed wraps for a block head (its only submodule: the head), as mtp_train.unroll.UnrolledHead
     for the others; `num_steps` = B-1 block positions."""
 
     def __init__(self, head: BlockHead, norm_weight: torch.Tensor, eps: float, weights: LossWeights,
-                 anchors_per_record: int, gamma: float, seed: int = 0) -> None:
+                 anchors_per_record: int, gamma: float, seed: int = 0, position_weight: str = "exp_decay",
+                 dpace_alpha: float = 0.5) -> None:
         super().__init__()
         self.head = head
         norm = RMSNorm(norm_weight.shape[0], eps)
@@ -131,6 +167,11 @@ class BlockObjective(nn.Module):
         self.num_steps = head.block_size - 1
         self.weights, self.anchors_per_record, self.seed = weights, anchors_per_record, seed
         self.position_weights = position_weights(head.block_size, gamma)
+        if position_weight not in POSITION_WEIGHTS:
+            raise ValueError(f"head.position_weight={position_weight!r} must be one of {', '.join(POSITION_WEIGHTS)}")
+        if position_weight == "dpace":
+            dpace_weights(torch.ones(1, 1), torch.ones(1, 1, dtype=torch.bool), dpace_alpha)  # alpha checked now
+        self.position_weight, self.dpace_alpha = position_weight, dpace_alpha
 
     def plan(self, batch: PackedBatch) -> BlockPlan:
         return anchor_plan(batch, self.anchors_per_record, self.seed)
@@ -154,13 +195,18 @@ class BlockObjective(nn.Module):
         loss = torch.zeros((), device=device)
         chain = torch.ones(rows.shape[0], dtype=torch.bool, device=device)
         agreement = []
+        row_weights = trained.float()  # [N, B-1]: exp_decay's per-position weights apply below
+        if self.position_weight == "dpace":
+            confidence = greedy_confidence(hidden[:, 1:], lm_head_weight, target.greedy[rows], w.chunk_tokens)
+            row_weights = dpace_weights(confidence, trained, self.dpace_alpha)  # > 0 wherever trained: stats as before
         for k in range(self.num_steps):
-            token_weight = trained[:, k].float()
+            token_weight = row_weights[:, k]
             kl_ce, step_stats, agree = distill_loss(hidden[:, k + 1], lm_head_weight, target.rows(rows[:, k]),
                                                     token_weight, w.kl, w.ce, w.chunk_tokens, w.tv)
             reached = trained[:, k] & chain
             chain = chain & agree
-            loss = loss + self.position_weights[k] / normalisers[k].clamp(min=1) * kl_ce
+            decay = self.position_weights[k] if self.position_weight == "exp_decay" else 1.0
+            loss = loss + decay / normalisers[k].clamp(min=1) * kl_ce
             chained = torch.stack((reached.sum(), (reached & agree).sum())).float()
             stats[k] = torch.cat((step_stats, chained, torch.zeros(1, device=device)))
             agreement.append(agree)

@@ -242,8 +242,77 @@ LOADERS: tuple[Loader, ...] = (
 )
 
 
+# --- DFlash (block heads; mtp_train.export_dflash writes them) ------------------------------------------------
+def _dflash(c: dict, prefix: str = "layers") -> Shapes:
+    """A DFlash draft: fc over the context layers, hidden_norm, Qwen3-style layers (per-head q_norm / k_norm), norm."""
+    layer_config = c.get("transformer_layer_config") or c
+    h, d = layer_config["hidden_size"], _head_dim(layer_config)
+    ids = c.get("aux_hidden_state_layer_ids") or (c.get("dflash_config") or {}).get("target_layer_ids") or []
+    shapes: Shapes = {"fc.weight": (h, len(ids) * (c.get("target_hidden_size") or h)), "hidden_norm.weight": (h,),
+                      "norm.weight": (h,)}
+    for i in range(layer_config["num_hidden_layers"]):
+        shapes.update(llama_layer(f"{prefix}.{i}", layer_config))
+        shapes.update({f"{prefix}.{i}.self_attn.q_norm.weight": (d,), f"{prefix}.{i}.self_attn.k_norm.weight": (d,)})
+    return shapes
+
+
+VLLM_DFLASH = "vllm-project/vllm vllm/model_executor/models/qwen3_dflash.py @ 036a00d1f5d00d449d02dce9babdd15a5b4d06c9"
+VLLM_SPECULATORS_DFLASH = ("vllm-project/vllm vllm/transformers_utils/configs/speculators/algos.py update_dflash "
+                           "(versions after cfb173ab, read in a fork's copy: maps aux_hidden_state_layer_ids to "
+                           "eagle_aux_hidden_state_layer_ids and dflash_config.target_layer_ids; mask_token_id "
+                           "required)")
+SGLANG_DFLASH = "sgl-project/sglang python/sglang/srt/models/dflash.py @ 003b23d7388eabdfbfecd2610c7e228f9f6a2734"
+SGLANG_DFLASH_CONFIG = "sgl-project/sglang python/sglang/srt/speculative/dflash_utils.py parse_dflash_draft_config"
+SPECULATORS_DFLASH = ("speculators 0.9.0 wheel (PyPI): speculators/models/dflash/{config,core,model_definitions}.py "
+                      "(DFlashSpeculatorConfig, DFlashDraftModel, Qwen3DFlashDecoderLayer)")
+ZLAB_DFLASH = "z-lab/dflash model/dflash.py @ a3516f8 (Qwen3 layers with q_norm / k_norm; dflash_config in config.json)"
+# What every DFlash loader builds that a block head must match to be served as trained: the refusal's reasons.
+DFLASH_NEEDS = {
+    "qk_norm": "per-head q_norm / k_norm (the engines' DFlash layers are Qwen3's: an RMSNorm over each head's q and "
+               "k before rope, on the context keys too); this head's layers have none: train with head.qk_norm=true",
+    "mask_token_id": "a mask_token_id (the engines embed the mask rows as the target's embedding of "
+                     "dflash_config.mask_token_id; vLLM alone overrides that row from a pickled mask_embedding.pt, "
+                     "which this project does not write); this head learned its own mask row: train with "
+                     "head.mask_token_id=<a reserved id> where the tokenizer has one",
+}
+DFLASH_LOADERS: tuple[Loader, ...] = (
+    Loader("dflash", "speculators", "DFlashDraftModel (speculators_model_type dflash)", (SPECULATORS_DFLASH,),
+           "0.9.0", "(the package's own class; vLLM serves the folder: method taken from speculators_model_type)",
+           {"speculators_model_type": "dflash", "transformer_layer_config": None, "speculators_config": None,
+            "draft_vocab_size": None, "block_size": None, "aux_hidden_state_layer_ids": None, "mask_token_id": None},
+           _dflash, lambda c: {"lm_head.weight": (c["draft_vocab_size"], c["transformer_layer_config"]["hidden_size"])},
+           feeds="aux", layer_ids="aux_hidden_state_layer_ids, as vLLM's (the input of layer i)",
+           defaults={"mask_token_id": "required: the mask_token_id property raises when it is None",
+                     "embed_tokens, lm_head": "the verifier's (lm_head saved only for a reduced draft vocabulary)",
+                     "sample_from_anchor": "false: row 0 is the pending token, rows 1..B-1 draft"}),
+    Loader("dflash", "vllm", "DFlashQwen3ForCausalLM (via SpeculatorsConfig)", (VLLM_DFLASH, VLLM_SPECULATORS_DFLASH),
+           "the stored versions", "vllm serve TARGET --speculative-config '{\"model\": \"DIR\", "
+           "\"num_speculative_tokens\": 15}' (method taken from speculators_model_type)",
+           {"speculators_model_type": "dflash", "transformer_layer_config": None, "speculators_config": None,
+            "mask_token_id": None, "aux_hidden_state_layer_ids": None},
+           _dflash, lambda c: {"lm_head.weight": (c["draft_vocab_size"], c["transformer_layer_config"]["hidden_size"])},
+           feeds="aux",
+           layer_ids="aux_hidden_state_layer_ids as eagle_aux_hidden_state_layer_ids: the input of layer i",
+           defaults={"mask_token_id": "dflash_config.mask_token_id; mask_embedding.pt (torch.load) overrides its row",
+                     "mask_hidden": "asserted absent", "causal": "false unless dflash_config.causal or sliding layers",
+                     "midlayer.*": "renamed layers.0.*", "rope": "neox unless is_neox_style=false"}),
+    Loader("sglang-dflash", "sglang", "DFlashDraftModel (--speculative-algorithm DFLASH)",
+           (SGLANG_DFLASH, SGLANG_DFLASH_CONFIG, ZLAB_DFLASH), "the stored version",
+           "python -m sglang.launch_server --model-path TARGET --speculative-algorithm DFLASH "
+           "--speculative-draft-model-path DIR",
+           {"num_hidden_layers": None, "hidden_size": None, "num_attention_heads": None, "intermediate_size": None,
+            "dflash_config": None},
+           _dflash, feeds="aux",
+           layer_ids="dflash_config.target_layer_ids, 0 <= id < num_target_layers (z-lab's convention: layer id's "
+                     "output); absent: build_target_layer_ids(target layers, draft layers)",
+           defaults={"q_norm / k_norm": "always built (weights of ones when absent: still a normalisation)",
+                     "unknown tensors": "ignored", "block_size": "dflash_config.block_size, else 16",
+                     "mask_token_id": "dflash_config.mask_token / mask_token_id"}),
+)
+
+
 def loaders(fmt: str) -> list[Loader]:
-    return [loader for loader in LOADERS if loader.fmt == fmt]
+    return [loader for loader in LOADERS + DFLASH_LOADERS if loader.fmt == fmt]
 
 
 def engine_layer_ids(aux_layers: list[int], engine: str) -> list[int]:

@@ -21,6 +21,12 @@ trained on and builds the function it computes; otherwise ExportError says why.
                 SGLang LlamaForCausalLMEagle3 (--speculative-algorithm EAGLE3); the speculators 0.9.0 converter
                 reads it. Aux layer ids in SGLang's convention (this project's aux layers, layer outputs). Heads with
                 head.norm_before_residual=false only: SGLang's layer adds the un-normed fused state.
+  dflash        block heads in speculators' dflash layout: the speculators 0.9.0 package's DFlashDraftModel; vLLM
+                (vllm serve TARGET --speculative-config '{"model": "DIR", ...}', method from speculators_model_type).
+  sglang-dflash block heads in z-lab/dflash's layout (dflash_config): SGLang --speculative-algorithm DFLASH.
+  Both DFlash formats take block heads with head.qk_norm=true (the engines' layers are Qwen3's: per-head q/k norms)
+  and a reserved head.mask_token_id (the engines embed the mask rows as that token); others are refused, naming
+  what they lack (mtp_train.export_dflash).
   speculators   EAGLE-3 heads in vLLM's speculators format (speculators_model_type eagle3, layers.0): vLLM
                 (vllm serve TARGET --speculative-config '{"model": "DIR", ...}', versions with
                 vllm/transformers_utils/configs/speculators) and the speculators 0.9.0 package's Eagle3DraftModel.
@@ -65,16 +71,17 @@ from infer.models.mtp_head import (
     save_head,
 )
 from mtp_train.engine_loaders import engine_layer_ids, loaders
-from mtp_train.export_names import MODULE_NAMES, from_format, fuse_layer, split_fused, to_format
+from mtp_train.export_dflash import (DFLASH_FORMATS, VERIFIER_ARCHITECTURES, dflash_config, dflash_problems,
+                                    dflash_tensors, from_dflash, own_fields)
+from mtp_train.export_names import MODULE_NAMES, aux_order, from_format, fuse_layer, split_fused, to_format
 
-FORMATS = ("runtime", "eagle", "sglang-nextn", "eagle3", "speculators")
+FORMATS = ("runtime", "eagle", "sglang-nextn", "eagle3", "speculators", "dflash", "sglang-dflash")
 EAGLE3_FORMATS = ("eagle3", "speculators")  # an EAGLE-3 head's, besides runtime
 EXPORT_VERSION = 2
 HIDDEN_STATES = {"pre_norm": "target's last decoder layer output, before the final norm",
                  "post_norm": "target's last decoder layer output, after the final norm"}
 # An EAGLE-3 head's generic state dict (fc, layer.*, norm, lm_head, d2t, t2d; see eagle3_state) -> each layout's layer
 EAGLE3_LAYER = {"eagle3": "midlayer", "speculators": "layers.0"}
-EAGLE3_VERIFIER = ["LlamaForCausalLM"]  # EAGLE-3 heads are built for Llama targets only (eagle3_config_fields)
 
 
 class ExportError(ValueError):
@@ -82,13 +89,6 @@ class ExportError(ValueError):
 
 
 # --- EAGLE-3 layout (the EAGLE-1/2 and NextN names: mtp_train.export_names) -----------------------------------------
-def aux_order(config: MTPHeadConfig) -> list[int]:
-    """The positions of the head's aux layer ids in ascending order: the engines concatenate the captured states in
-    layer order (vLLM's and SGLang's Llama forwards append them as the layers run), the head in its ids' order."""
-    ids = config.aux_layer_ids
-    return sorted(range(len(ids)), key=ids.__getitem__)
-
-
 def eagle3_state(head: DraftHead) -> tuple[dict[str, torch.Tensor], list[int]]:
     """An EAGLE-3 head -> (its generic state dict, the aux layers it reads as this project's layer outputs, ascending).
 
@@ -183,8 +183,18 @@ def check_exportable(config: MTPHeadConfig, fmt: str, num_target_layers: int | N
     if fmt == "runtime":
         return
     if config.architecture == "block":
-        raise ExportError(f"a block head exports to the runtime format only: the {fmt!r} format holds another "
-                          "architecture (the speculators dflash and SGLang DFLASH layouts are not written yet)")
+        if fmt not in DFLASH_FORMATS:
+            raise ExportError(f"a block head exports to the runtime, dflash or sglang-dflash format, not {fmt!r}")
+        if lacks := dflash_problems(config):
+            raise ExportError(f"the {fmt} engines' DFlash drafters need {'; and '.join(lacks)}: serve it with the "
+                              "runtime format")
+        if num_target_layers is not None and max(config.aux_layer_ids) >= num_target_layers:
+            raise ExportError(f"this block head fuses id {max(config.aux_layer_ids)}, the target's last layer's "
+                              f"output: the engines capture only the streams entering layers 0.."
+                              f"{num_target_layers - 1}; serve it with the runtime format")
+        return
+    if fmt in DFLASH_FORMATS:
+        raise ExportError(f"the {fmt} format holds block heads (head=block), not this {config.architecture} head")
     if config.architecture == "eagle3":
         if fmt not in EAGLE3_FORMATS:
             raise ExportError(f"an EAGLE-3 head exports to the runtime, eagle3 or speculators format, not "
@@ -260,7 +270,7 @@ def eagle3_export_config(config: MTPHeadConfig, fmt: str, aux_layers: list[int],
                 "algorithm": "eagle3", "default_proposal_method": "greedy",
                 "proposal_methods": [{"proposal_type": "greedy", "speculative_tokens": speculative_tokens}],
                 "verifier": {"name_or_path": target.get("path") or target["name"],
-                             "architectures": EAGLE3_VERIFIER}},
+                             "architectures": VERIFIER_ARCHITECTURES}},
             "draft_vocab_size": draft_vocab_size, "norm_before_residual": config.norm_before_residual,
             "target_hidden_size": config.hidden_size,
             "eagle_aux_hidden_state_layer_ids": engine_layer_ids(aux_layers, "vllm"), **own}
@@ -323,6 +333,13 @@ def export_head(head: str | Path | DraftHead, fmt: str, out: str | Path, target:
     if fmt == "runtime":
         return save_head(head, out, overwrite=overwrite)
     target_path = str(target) if target is not None else None
+    if fmt in DFLASH_FORMATS:
+        target_info = {**config.target, **({"path": target_path} if target_path else {})}
+        own = own_fields(config, fmt, source, target_info, EXPORT_VERSION,
+                         [f"{loader.engine} {loader.cls}" for loader in loaders(fmt)])
+        decoder = {**decoder_fields(config.decoder), "vocab_size": config.vocab_size}
+        return write_folder(out, dflash_tensors(head), dflash_config(config, fmt, decoder, own, target_path or
+                                                                     config.target["name"]), overwrite)
     if fmt in EAGLE3_FORMATS:
         state, aux_layers = eagle3_state(head)
         return write_folder(out, eagle3_tensors(state, config.decoder_config(), fmt),
@@ -359,17 +376,21 @@ def load_export(path: str | Path, target: nn.Module, dtype: torch.dtype | None =
     if "mtp_head" not in raw:  # infer's own head folder
         return load_head(path, target, dtype)
     fmt = raw.get("export", {}).get("format")
-    if fmt not in MODULE_NAMES and fmt not in EAGLE3_FORMATS:
+    if fmt not in MODULE_NAMES and fmt not in EAGLE3_FORMATS and fmt not in DFLASH_FORMATS:
         raise HeadLoadError(f"{config_file}: unknown export format {fmt!r}")
     try:
         config = MTPHeadConfig(**raw["mtp_head"])
     except TypeError as err:
         raise HeadLoadError(f"{config_file}: 'mtp_head' is not a head config: {err}") from err
-    if (fmt in EAGLE3_FORMATS) != (config.architecture == "eagle3"):
+    if (fmt in EAGLE3_FORMATS) != (config.architecture == "eagle3") or \
+            (fmt in DFLASH_FORMATS) != (config.architecture == "block"):
         raise HeadLoadError(f"{config_file}: a {fmt} export cannot hold a {config.architecture} head")
     check_target(config, target, str(config_file))
     head = head_module(config)
     tensors = load_file(str(weights_file))
+    if fmt in DFLASH_FORMATS:
+        load_weights(head, from_dflash(tensors, config, weights_file), weights_file)
+        return attach_to_target(head, target, dtype, where=str(config_file))
     if fmt not in EAGLE3_FORMATS:
         load_weights(head, from_format(tensors, config, fmt, weights_file), weights_file)
         return attach_to_target(head, target, dtype, where=str(config_file))

@@ -81,6 +81,13 @@ def fuse_layer(hf_state: dict[str, torch.Tensor], config: MTPHeadConfig, source:
     return out
 
 
+def aux_order(config: MTPHeadConfig) -> list[int]:
+    """The positions of the head's aux layer ids in ascending order: the engines concatenate the captured states in
+    layer order (vLLM's and SGLang's Llama forwards append them as the layers run), the head in its ids' order."""
+    ids = config.aux_layer_ids
+    return sorted(range(len(ids)), key=ids.__getitem__)
+
+
 def to_format(state: dict[str, torch.Tensor], config: MTPHeadConfig, fmt: str) -> dict[str, torch.Tensor]:
     """The head's state dict under `fmt`'s names (check_exportable has ruled out modules a format lacks)."""
     names = MODULE_NAMES[fmt]

@@ -88,7 +88,8 @@ class Trainer:
             self.num_steps = cfg.head.block_size - 1
             self.objective = BlockObjective(self.head, self.target.norm_weight, self.target.eps,
                                             LossWeights.from_config(cfg.loss), cfg.head.anchors_per_record,
-                                            cfg.head.gamma, cfg.seed)
+                                            cfg.head.gamma, cfg.seed, cfg.head.position_weight,
+                                            cfg.head.dpace_alpha)
         else:
             self.objective = UnrolledHead(self.head, self.target.norm_weight, self.target.eps, self.num_steps,
                                           LossWeights.from_config(cfg.loss), autocast=t.autocast)

@@ -9,7 +9,8 @@ SpeculatorModel.from_pretrained picks the class from speculators_model_type, val
 package's pydantic schema, loads model.safetensors and the verifier's embedding from
 speculators_config.verifier.name_or_path), or, with "convert": {"verifier", "eagle_aux_hidden_state_layer_ids",
 "norm_before_residual", "output"}, first converts it with the package's EAGLE-3 converter (convert_model, algorithm
-"eagle3") into `output` and loads that.
+"eagle3") into `output` and loads that. A load with "kind": "dflash" is a `dflash` export (DFlashDraftModel), run by
+`run_dflash` on the INPUTS keys dflash.*.
 
 INPUTS holds input_ids [T] (t_{i+1}), position_ids [T] (i, vLLM's draft positions) and, per dtype and case,
 DTYPE.hidden.CASE [T, 3H]: the target's aux states concatenated as the caller says the engine captures them.
@@ -89,11 +90,58 @@ def run(load: dict, inputs: dict, ttt_steps: int, dtypes: list[str]) -> None:
     save_file(out, load["logits"])
 
 
+def held(model: torch.nn.Module, folder: str) -> dict:
+    """How the loaded model holds the folder's tensors: names it lacks, changed, and its own not in the folder."""
+    state = {**dict(model.named_parameters()), **dict(model.named_buffers())}
+    written = load_file(f"{folder}/model.safetensors")
+    return {"not_held": sorted(k for k in written if k not in state),
+            "changed": sorted(k for k in written if k in state and not torch.equal(
+                state[k].detach().to(written[k].dtype), written[k])),
+            "not_written": sorted(k for k in state if k not in written)}
+
+
+def run_dflash(load: dict, inputs: dict) -> None:
+    """A dflash export by the package's DFlashDraftModel, one block a case: INPUTS dflash.pending [1] (the pending
+    token) and dflash.hidden.CASE [T, n H] (the context's target states, concatenated as the caller says the engine
+    captures them). The package's own modules, in its training forward's order (fc, hidden_norm, the block [pending,
+    mask_token_id x (B-1)] embedded, each Qwen3DFlashDecoderLayer over context + block at positions 0..T+B-1, norm,
+    lm_head), with eager attention and no mask (the block sees the whole context and itself); the logits of rows
+    1..B-1 written as dflash.CASE [B-1, V]."""
+    model = SpeculatorModel.from_pretrained(load["folder"]).eval()
+    model.load_verifier_weights()  # the verifier's embedding and (full vocabulary) lm_head, as the package reloads
+    model.config.transformer_layer_config._attn_implementation = "eager"  # noqa: SLF001
+    config = model.config
+    json.dump({"class": type(model).__name__, "config_class": type(config).__name__, "block_size": config.block_size,
+               "mask_token_id": config.mask_token_id, "aux_layer_ids": config.aux_hidden_state_layer_ids,
+               "layer_class": type(model.layers[0]).__name__, **held(model, load["folder"])},
+              open(load["report"], "w"), indent=2)
+    out = {}
+    for key, hidden in inputs.items():
+        if not key.startswith("dflash.hidden."):
+            continue
+        length, block = hidden.shape[0], model.block_size
+        ids = torch.full((1, block), model.mask_token_id, dtype=torch.long)
+        ids[0, 0] = inputs["dflash.pending"][0]
+        with torch.no_grad():
+            context = model.hidden_norm(model.fc(hidden[None]))
+            x = model.embed_tokens(ids)
+            positions = torch.arange(length + block)[None]
+            rope = model.rotary_emb(x, positions)
+            for layer in model.layers:
+                x = layer(hidden_states=x, target_hidden=context, attention_mask=None, position_ids=positions,
+                          position_embeddings=rope)
+            out[key.replace(".hidden.", ".")] = model.lm_head(model.norm(x))[0, 1:].contiguous()
+    save_file(out, load["logits"])
+
+
 def main() -> None:
     job = json.load(open(sys.argv[1]))
     inputs = load_file(job["inputs"])
     for load in job["loads"]:
-        run(load, inputs, job["ttt_steps"], job["dtypes"])
+        if load.get("kind") == "dflash":
+            run_dflash(load, inputs)
+        else:
+            run(load, inputs, job["ttt_steps"], job["dtypes"])
 
 
 if __name__ == "__main__":

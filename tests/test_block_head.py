@@ -12,10 +12,12 @@ import torch
 
 from infer.bench.forward_costs import ForwardCosts, forward_costs
 from infer.engine import Engine, EngineConfig
-from infer.models.mtp_head import init_head_from_target
+from infer.cli import run_cli
+from infer.models.mtp_head import HeadLoadError, init_head_from_target, load_head, save_head
 from infer.sampling_params import SamplingParams
 from mtp_train.block_unroll import block_replay
-from mtp_train.export import ExportError, check_exportable
+from mtp_train.export import DFLASH_FORMATS, ExportError, check_exportable
+from mtp_train.export import main as export_main
 from mtp_train.validate import GAP_POINTS, packed_target_forward
 from tests.fitted_block_head import fit_block_head, objective_for
 from tests.test_sampler import ALPHA
@@ -179,8 +181,46 @@ def test_forward_costs_price_one_block_forward_a_step(stories_model, stories_tok
     assert printed.one_forward and printed.drafting(7) == pytest.approx(costs.drafting(7), rel=1e-2)
 
 
-def test_block_heads_export_to_the_runtime_format_only(stories_model):
+def test_dflash_formats_refuse_a_block_head_naming_what_it_lacks(stories_model, tmp_path, capsys):
     head = init_head_from_target(stories_model, "stories260K", "block", block_size=4)
-    check_exportable(head.config, "runtime")
-    with pytest.raises(ExportError, match="a block head exports to the runtime format only"):
+    check_exportable(head.config, "runtime")  # control: the runtime format takes it
+    with pytest.raises(ExportError, match="a block head exports to the runtime, dflash or sglang-dflash format"):
         check_exportable(head.config, "speculators")
+    for fmt in DFLASH_FORMATS:  # the engines' layers have per-head q/k norms and embed a reserved mask id
+        with pytest.raises(ExportError, match=f"the {fmt} engines' DFlash drafters need per-head q_norm / k_norm"
+                                              ".*a mask_token_id"):
+            check_exportable(head.config, fmt)
+    reserved = init_head_from_target(stories_model, "stories260K", "block", block_size=4, mask_token_id=3)
+    with pytest.raises(ExportError) as refused:
+        check_exportable(reserved.config, "dflash")
+    assert "q_norm / k_norm" in str(refused.value) and "mask_token_id" not in str(refused.value)
+    normed = init_head_from_target(stories_model, "stories260K", "block", block_size=4, qk_norm=True)
+    with pytest.raises(ExportError) as refused:
+        check_exportable(normed.config, "sglang-dflash")
+    assert "a mask_token_id" in str(refused.value) and "q_norm" not in str(refused.value)
+    for fmt in DFLASH_FORMATS:  # control: with both, the formats take it (tests/test_export_dflash.py writes them)
+        check_exportable(init_head_from_target(stories_model, "stories260K", "block", block_size=4, qk_norm=True,
+                                               mask_token_id=3).config, fmt)
+    mtp = init_head_from_target(stories_model, "stories260K", "mtp")
+    with pytest.raises(ExportError, match="the sglang-dflash format holds block heads"):
+        check_exportable(mtp.config, "sglang-dflash")
+    save_head(head, tmp_path / "head")
+    assert run_cli(lambda: export_main(["--head", str(tmp_path / "head"), "--format", "dflash", "--out",
+                                        str(tmp_path / "out")])) == 2
+    err = capsys.readouterr().err.strip()
+    assert len(err.splitlines()) == 1 and "q_norm / k_norm" in err and not (tmp_path / "out").exists()
+
+
+def test_a_reserved_mask_token_id_embeds_the_mask_rows_as_that_token(stories_model, tmp_path):
+    learned = init_head_from_target(stories_model, "stories260K", "block", block_size=4)
+    reserved = init_head_from_target(stories_model, "stories260K", "block", block_size=4, mask_token_id=7)
+    first = torch.tensor([5, 9])
+    rows = reserved.block_inputs(first)
+    embed = stories_model.model.embed_tokens(torch.tensor([5, 9, 7]))
+    assert torch.equal(rows[:, 0], embed[:2]) and torch.equal(rows[:, 1:], embed[2].expand(2, 3, -1))
+    assert "mask_embedding" not in dict(reserved.named_parameters())  # the target's frozen row, not a parameter
+    assert not torch.equal(learned.block_inputs(first)[:, 1:], rows[:, 1:])  # control: the learned (zero) row
+    loaded = load_head(save_head(reserved, tmp_path / "reserved"), stories_model)
+    assert loaded.config.mask_token_id == 7 and torch.equal(loaded.block_inputs(first), rows)
+    with pytest.raises(HeadLoadError, match="head.mask_token_id=512 is not a token of the target's 512-token"):
+        init_head_from_target(stories_model, "stories260K", "block", block_size=4, mask_token_id=512)

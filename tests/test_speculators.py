@@ -1,4 +1,4 @@
-"""EAGLE-3 exports run by the speculators package's own classes (0.9.0, vLLM's; in its cached environment).
+"""EAGLE-3 and DFlash exports run by the speculators package's own classes (0.9.0, vLLM's; in its cached environment).
 
 A perturbed EAGLE-3 head on stories260K (a 128-id draft vocabulary, layer ids out of order) is exported in both
 EAGLE-3 formats. The package loads the `speculators` export with SpeculatorModel.from_pretrained, and converts the
@@ -8,6 +8,10 @@ its own forward for two TTT steps, in fp32 and fp64. Its draft-vocabulary logits
 the head's step 1, mtp_train.unroll) within 1e-5 (of the logits' scale in fp32, see `tolerance`), its d2t must map
 draft ids to the same target ids, and the broken controls (the states of the next layers, an off-by-one layer id;
 the layers in reverse order) must miss by far. `pytest -rP` shows the measured differences.
+
+In the same probe run, a block head with q/k norms and a reserved mask id (tests/test_export_dflash.py) is exported
+as `dflash` and run by the package's DFlashDraftModel on one block after six context positions: its draft logits
+must equal the head's within the same tolerance, and the context states in the head's own (unsorted) order miss.
 """
 
 from __future__ import annotations
@@ -28,6 +32,7 @@ from mtp_train.export import export_head
 from mtp_train.unroll import batch_plan, unrolled_steps
 from tests import speculators_env
 from tests.test_export import eagle3_head
+from tests.test_export_dflash import IDS, block_logits, dflash_head
 
 pytestmark = pytest.mark.usefixtures("one_torch_thread")
 PROBE = Path(__file__).with_name("speculators_probe.py")
@@ -74,10 +79,19 @@ def run_conformance(stories_model, stories_hf_dir, root: Path, norm_before_resid
     for dtype, (h, target) in {"float32": (head, stories_model), "float64": (head64, target64)}.items():
         ours[dtype], hidden = head_and_inputs(h, target, ids, cases)
         inputs.update({f"{dtype}.hidden.{name}": tensor for name, tensor in hidden.items()})
-    save_file(inputs, str(root / "inputs.safetensors"))
-
     spec = export_head(head, "speculators", root / "spec", target=stories_hf_dir)
     loads = [{"name": "speculators", "folder": str(spec), "convert": None}]
+    if not norm_before_residual:  # a block head's dflash export, in the same probe run (tests/test_export_dflash.py)
+        block = dflash_head(stories_model)
+        features = torch.randn(6, len(IDS), stories_model.config.hidden_size,
+                               generator=torch.Generator().manual_seed(2))
+        dflash_ours = block_logits(block, features, [5])[0]
+        ascending_ids = sorted(range(len(IDS)), key=IDS.__getitem__)  # the engines concatenate in layer order
+        inputs.update({"dflash.pending": torch.tensor([5]),
+                       "dflash.hidden.served": features[:, ascending_ids].flatten(1).contiguous(),
+                       "dflash.hidden.head_order": features.flatten(1).contiguous()})
+        loads.append({"name": "dflash", "kind": "dflash",
+                      "folder": str(export_head(block, "dflash", root / "dflash", target=stories_hf_dir))})
     if not norm_before_residual:
         eagle3 = export_head(head, "eagle3", root / "eagle3", target=stories_hf_dir)
         eagle3_config = json.loads((eagle3 / "config.json").read_text())
@@ -86,16 +100,18 @@ def run_conformance(stories_model, stories_hf_dir, root: Path, norm_before_resid
                    "eagle_aux_hidden_state_layer_ids": engine_layer_ids(eagle3_config["export"]["aux_layers"], "vllm"),
                    "norm_before_residual": eagle3_config["norm_before_residual"]}
         loads.append({"name": "eagle3", "folder": str(eagle3), "convert": convert})
+    save_file(inputs, str(root / "inputs.safetensors"))
     for load in loads:
         load.update(report=str(root / f"{load['name']}.json"), logits=str(root / f"{load['name']}.safetensors"))
     job = root / "job.json"
-    job.write_text(json.dumps({"inputs": str(root / "inputs.safetensors"), "ttt_steps": STEPS, "dtypes": list(ours),
+    job.write_text(json.dumps({"inputs": str(root / "inputs.safetensors"), "ttt_steps": STEPS,
+                               "dtypes": list(ours),
                                "loads": loads}))
     result = speculators_env.run(PROBE, str(job))
     assert result.returncode == 0, result.stderr[-3000:]
     theirs = {load["name"]: (json.loads(Path(load["report"]).read_text()), load_file(load["logits"]))
               for load in loads}
-    return {"head": head, "ours": ours, "theirs": theirs}
+    return {"head": head, "ours": ours, "theirs": theirs, "dflash": None if norm_before_residual else dflash_ours}
 
 
 @pytest.fixture(scope="module")
@@ -144,3 +160,20 @@ def test_the_speculators_package_holds_the_export_unchanged(conformance):
     # the embedding comes from the verifier (speculators_config.verifier), the rest is training-only
     assert report["not_written"] == ["embed_tokens.weight", "rotary_emb.inv_freq", "rotary_emb.original_inv_freq",
                                      "verifier_lm_head.weight", "verifier_norm.weight"]
+
+
+def test_the_speculators_package_computes_the_block_heads_drafts_from_its_dflash_export(conformance):
+    """speculators 0.9.0's DFlashDraftModel (Qwen3DFlashDecoderLayer) on the dflash export of a block head with q/k
+    norms and a reserved mask id: the same draft logits at every block row from the context states in layer order;
+    the states in the head's own (unsorted) order miss (the control)."""
+    run = conformance(False)
+    report, logits = run["theirs"]["dflash"]
+    assert (report["class"], report["config_class"], report["layer_class"]) == (
+        "DFlashDraftModel", "DFlashSpeculatorConfig", "Qwen3DFlashDecoderLayer")
+    assert (report["block_size"], report["mask_token_id"], report["aux_layer_ids"]) == (4, 3, [1, 2, 4])
+    assert report["not_held"] == [] and report["changed"] == []
+    ours = run["dflash"]
+    served, control = (max_diff(ours, logits[f"dflash.{case}"]) for case in ("served", "head_order"))
+    print(f"dflash: max |draft logit diff| {served:.2e} (tolerance {tolerance('float32', ours):.1e}), "
+          f"states in the head's order {control:.2e}")
+    assert served <= tolerance("float32", ours) < control

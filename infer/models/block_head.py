@@ -2,7 +2,8 @@
 
 The head reads the target's fused features at the settled positions 0..p-1 (its "context") and a query block of B
 rows at positions p..p+B-1: the last emitted (pending) token's embedding, then B-1 copies of a learned mask
-embedding (stories260K's 512-token vocabulary has no spare id to embed instead). Each of its `num_layers` Llama-shaped
+embedding (stories260K's 512-token vocabulary has no spare id to embed instead), or of the target's embedding of
+a reserved `mask_token_id` where the config names one. Each of its `num_layers` Llama-shaped
 decoder layers attends from the block rows to
 
     keys/values of the context: k_proj / v_proj of c_j = hidden_norm(fc([h^l1_j ; ... ; h^ln_j]))  (rotated at j)
@@ -19,7 +20,9 @@ record and runs many blocks against it (mtp_train.block_unroll).
 
 Shapes and layout follow z-lab/dflash model/dflash.py (a3516f8): k/v of context and block by the same projections,
 fc + hidden_norm fusing the target layers, a final norm before the target's lm_head; unlike it (a Qwen3 draft) a
-Llama layer has no q/k norms, and the mask row is a learned vector rather than a reserved token's embedding.
+Llama layer has no q/k norms (optional: `qk_norm`, Qwen3's per-head RMSNorm of q and k before rope, on the
+context keys too, which the engines' DFlash layers always have), and the mask row is by default a learned vector
+rather than a reserved token's embedding.
 
 Layer ids: EAGLE-3's convention (infer.models.eagle3_head): id i is the stream entering decoder layer i, infer's
 aux output of layer i - 1; any number of distinct ids in 1..L.
@@ -43,7 +46,7 @@ MIN_BLOCK_SIZE = 2  # the pending token and at least one mask row
 
 
 def block_config_fields(target_config: PretrainedConfig, layer_ids: list[int] | None, block_size: int,
-                        num_layers: int) -> dict:
+                        num_layers: int, mask_token_id: int | None = None, qk_norm: bool = False) -> dict:
     """MTPHeadConfig's block-head fields for a target, checked (HeadLoadError naming the value)."""
     if target_config.model_type != "llama":
         raise HeadLoadError(f"block heads are built for Llama targets, not {target_config.model_type!r}")
@@ -55,8 +58,12 @@ def block_config_fields(target_config: PretrainedConfig, layer_ids: list[int] | 
         raise HeadLoadError(f"head.block_size={block_size}: a block holds the pending token and >= 1 mask row (>= 2)")
     if num_layers < 1:
         raise HeadLoadError(f"head.num_layers={num_layers} must be >= 1")
+    if mask_token_id is not None and not 0 <= int(mask_token_id) < target_config.vocab_size:
+        raise HeadLoadError(f"head.mask_token_id={mask_token_id} is not a token of the target's "
+                            f"{target_config.vocab_size}-token vocabulary")
     return dict(aux_layer_ids=ids, block_size=int(block_size), num_layers=int(num_layers), enorm=False, hnorm=False,
-                final_norm=True, proj_bias=False, layer_input_norm=True)
+                final_norm=True, proj_bias=False, layer_input_norm=True,
+                mask_token_id=None if mask_token_id is None else int(mask_token_id), qk_norm=bool(qk_norm))
 
 
 def block_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
@@ -74,7 +81,7 @@ def block_aux_layers(target_config: PretrainedConfig, layer_ids: list[int] | Non
 class BlockAttention(nn.Module):
     """q from the block rows; k/v from the context features and from the block rows, by the same projections."""
 
-    def __init__(self, config: LlamaConfig) -> None:
+    def __init__(self, config: LlamaConfig, qk_norm: bool = False) -> None:
         super().__init__()
         hidden = config.hidden_size
         self.num_heads = config.num_attention_heads
@@ -85,10 +92,15 @@ class BlockAttention(nn.Module):
         self.k_proj = nn.Linear(hidden, self.num_kv_heads * self.head_dim, bias=bias)
         self.v_proj = nn.Linear(hidden, self.num_kv_heads * self.head_dim, bias=bias)
         self.o_proj = nn.Linear(self.num_heads * self.head_dim, hidden, bias=bias)
+        if qk_norm:  # Qwen3's per-head RMSNorm of q and k before rope, as the engines' DFlash layers have
+            self.q_norm = RMSNorm(self.head_dim, config.rms_norm_eps)
+            self.k_norm = RMSNorm(self.head_dim, config.rms_norm_eps)
+        self.qk_norm = qk_norm
 
     def kv(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """x [T, H] -> rotated k, v [T, kv heads, head_dim]."""
         k = self.k_proj(x).unflatten(-1, (self.num_kv_heads, self.head_dim))
+        k = self.k_norm(k) if self.qk_norm else k
         v = self.v_proj(x).unflatten(-1, (self.num_kv_heads, self.head_dim))
         return apply_rope_half(k, cos, sin), v
 
@@ -98,7 +110,8 @@ class BlockAttention(nn.Module):
         ctx_valid [N, L] the context keys each block sees -> [N, B, H]."""
         n, b, _ = x.shape
         flat = x.flatten(0, 1)
-        q = apply_rope_half(self.q_proj(flat).unflatten(-1, (self.num_heads, self.head_dim)), cos, sin)
+        q = self.q_proj(flat).unflatten(-1, (self.num_heads, self.head_dim))
+        q = apply_rope_half(self.q_norm(q) if self.qk_norm else q, cos, sin)
         k, v = self.kv(flat, cos, sin)
         k = torch.cat((ctx_k.expand(n, -1, -1, -1), k.unflatten(0, (n, b))), dim=1)  # [N, L+B, kvh, D]
         v = torch.cat((ctx_v.expand(n, -1, -1, -1), v.unflatten(0, (n, b))), dim=1)
@@ -107,9 +120,9 @@ class BlockAttention(nn.Module):
 
 
 class BlockDecoderLayer(nn.Module):
-    def __init__(self, config: LlamaConfig) -> None:
+    def __init__(self, config: LlamaConfig, qk_norm: bool = False) -> None:
         super().__init__()
-        self.self_attn = BlockAttention(config)
+        self.self_attn = BlockAttention(config, qk_norm)
         self.mlp = LlamaMLP(config.hidden_size, config.intermediate_size, getattr(config, "mlp_bias", False),
                             current())
         self.input_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
@@ -122,8 +135,8 @@ class BlockDecoderLayer(nn.Module):
 
 
 class BlockHead(DraftHead):
-    """fc + hidden_norm (the context features), a learned mask embedding, `num_layers` block decoder layers, a final
-    norm; the target's embedding and lm_head shared."""
+    """fc + hidden_norm (the context features), a mask row (learned, or a reserved token's), `num_layers` block
+    decoder layers, a final norm; the target's embedding and lm_head shared."""
 
     def __init__(self, config: MTPHeadConfig) -> None:
         super().__init__(config)
@@ -136,8 +149,9 @@ class BlockHead(DraftHead):
         decoder_config = config.decoder_config()
         self.fc = nn.Linear(len(config.aux_layer_ids) * hidden, hidden, bias=False)
         self.hidden_norm = RMSNorm(hidden, config.rms_norm_eps)
-        self.mask_embedding = nn.Parameter(torch.zeros(hidden))
-        self.layers = nn.ModuleList(BlockDecoderLayer(decoder_config) for _ in range(config.num_layers))
+        if config.mask_token_id is None:  # no reserved id: a learned row (else the target's frozen row of that id)
+            self.mask_embedding = nn.Parameter(torch.zeros(hidden))
+        self.layers = nn.ModuleList(BlockDecoderLayer(decoder_config, config.qk_norm) for _ in range(config.num_layers))
         self.final_norm = RMSNorm(hidden, config.rms_norm_eps)
         self.rotary_emb = RotaryEmbedding(decoder_config, self.layers[0].self_attn.head_dim)
         self.target_aux_layers = tuple(i - 1 for i in config.aux_layer_ids)
@@ -165,8 +179,16 @@ class BlockHead(DraftHead):
         """first_ids [N] (each block's pending token) -> [N, B, H]: its embedding, then the mask embedding."""
         block_size = block_size or self.block_size
         emb = cast(self.shared.embed_tokens(first_ids), self.fc.weight.dtype)  # [N, H]
-        masks = self.mask_embedding.to(emb.dtype).expand(emb.shape[0], block_size - 1, -1)
+        mask = self.mask_row().to(emb.dtype)
+        masks = mask.expand(emb.shape[0], block_size - 1, -1)
         return torch.cat((emb[:, None], masks), dim=1)
+
+    def mask_row(self) -> torch.Tensor:
+        """[H] the mask rows' input: the learned embedding, or the target's (frozen) row of the reserved id."""
+        if self.config.mask_token_id is None:
+            return self.mask_embedding
+        token = torch.tensor([self.config.mask_token_id], device=self.fc.weight.device)
+        return self.shared.embed_tokens(token)[0]
 
     def block_hidden(self, x: torch.Tensor, positions: torch.Tensor, context: list[torch.Tensor],
                      ctx_valid: torch.Tensor) -> torch.Tensor:
@@ -216,7 +238,8 @@ class BlockHead(DraftHead):
         with torch.no_grad():
             for block_layer in self.layers:
                 missing, unexpected = block_layer.load_state_dict(state, strict=False)
-                if missing or unexpected:
+                missing = [name for name in missing if not name.endswith(("q_norm.weight", "k_norm.weight"))]
+                if missing or unexpected:  # (q/k norms, which a Llama layer lacks, start at ones)
                     raise HeadLoadError(f"a block layer from a target layer: missing {missing[:4]}, unexpected "
                                         f"{unexpected[:4]}")
 

@@ -52,9 +52,12 @@ class MTPHeadConfig:
     trainable_lm_head: bool = False
     norm_before_residual: bool = False
     # block heads only (infer.models.block_head): rows of the query block (the pending token + block_size - 1 mask
-    # rows, i.e. block_size - 1 drafts a forward) and decoder layers
+    # rows, i.e. block_size - 1 drafts a forward) and decoder layers; the mask rows embed as the target's token
+    # mask_token_id (a reserved id, as the engines' DFlash drafters read it), or None: a learned mask embedding
     block_size: int = 0
     num_layers: int = 1
+    mask_token_id: int | None = None
+    qk_norm: bool = False  # Qwen3's per-head q/k RMSNorm in each block layer (the engines' DFlash layers have it)
 
     def num_draft_tokens_for(self, batch_size: int) -> int | None:
         """The recommended K at the largest measured batch size <= batch_size (the smallest one below them all); 0

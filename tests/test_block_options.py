@@ -1,0 +1,121 @@
+"""The block head's training options. D-PACE per-position weights (mtp_train.block_unroll, head.position_weight=dpace):
+the weights against hand-worked values, the draft confidence they read, the objective's loss against a materialised
+reference on an untrained block head started from stories260K's last layer, a few training steps with it, and its
+config values; head.mask_token_id from the config into the head (its function: tests/test_block_head.py)."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from data_tools.config import ConfigError
+from infer.engine import Engine, EngineConfig
+from infer.models.mtp_head import init_head_from_target
+from mtp_train.block_unroll import BlockObjective, block_outputs, block_rows, dpace_weights, greedy_confidence
+from mtp_train.config import compose_training
+from mtp_train.heads import head_config
+from mtp_train.losses import target_distribution
+from mtp_train.unroll import LossWeights
+from tests.fitted_block_head import objective_for
+from tests.fitted_head import TRAIN_PROMPTS, adam_fit, greedy_batch
+
+pytestmark = pytest.mark.usefixtures("one_torch_thread")
+
+
+def test_dpace_weights_are_the_smoothed_prefix_products_summed_to_the_block_end():
+    q = torch.tensor([[0.5, 1.0, 0.0], [1.0, 1.0, 1.0], [0.0, 0.3, 0.0]])
+    trained = torch.tensor([[True, True, True], [True, True, False], [True, False, True]])
+    # row 0: s = .75, 1, .5 -> prefix .75, .75, .375 -> suffix sums 1.875, 1.125, .375
+    # row 1: s = 1, 1, (untrained) 1 -> prefix x mask 1, 1, 0 -> 2, 1, 0
+    # row 2: s = .5, (untrained) 1, .5 -> prefix x mask .5, 0, .25 -> .75, 0, .25
+    expected = torch.tensor([[1.875, 1.125, 0.375], [2.0, 1.0, 0.0], [0.75, 0.0, 0.25]])
+    assert torch.allclose(dpace_weights(q, trained, 0.5), expected)
+    # control: alpha = 1 ignores the confidence: each trained row counts the trained rows from it to the end
+    assert torch.equal(dpace_weights(q, trained, 1.0), torch.tensor([[3.0, 2.0, 1.0], [2.0, 1.0, 0.0],
+                                                                    [2.0, 0.0, 1.0]]))
+    with pytest.raises(ValueError, match=r"head.dpace_alpha=0.0 must be in \(0, 1\]"):
+        dpace_weights(q, trained, 0.0)
+
+
+def test_greedy_confidence_is_the_drafts_probability_of_the_target_token():
+    gen = torch.Generator().manual_seed(0)
+    hidden, weight = torch.randn(3, 4, 8, generator=gen), torch.randn(11, 8, generator=gen)
+    greedy = torch.tensor([[0, 5, 10, -1], [3, 3, 3, 3], [-1, 7, 1, 2]])
+    probs = torch.softmax(hidden @ weight.T, dim=-1)
+    expected = torch.where(greedy >= 0, probs.gather(-1, greedy.clamp(min=0)[..., None])[..., 0], 0.0)
+    for chunk in (1, 5, 64):
+        assert torch.allclose(greedy_confidence(hidden, weight, greedy, chunk), expected, atol=1e-6)
+
+
+@pytest.fixture(scope="module")
+def engine(stories_model, stories_tokenizer) -> Engine:
+    return Engine(stories_model, stories_tokenizer, [2], EngineConfig(backend="torch", page_size=8, num_pages=256))
+
+
+def fresh_head(engine: Engine):
+    torch.manual_seed(0)
+    return init_head_from_target(engine.model, "stories260K", "block", block_size=8, num_layers=1)
+
+
+@pytest.fixture(scope="module")
+def batch(engine):
+    return greedy_batch(engine, TRAIN_PROMPTS[:4], fresh_head(engine).target_aux_layers, max_new_tokens=32)[0]
+
+
+def dpace_objective(engine: Engine, head, alpha: float = 0.5) -> BlockObjective:
+    model = engine.model
+    return BlockObjective(head, model.model.norm.weight, float(model.config.rms_norm_eps), LossWeights(kl=1.0, ce=0.0),
+                          16, 7.0, position_weight="dpace", dpace_alpha=alpha)
+
+
+def test_dpace_objective_weights_each_rows_kl_by_its_blocks_confidence(engine, batch):
+    block_head = fresh_head(engine)
+    dpace, decay = dpace_objective(engine, block_head), objective_for(engine, block_head)
+    plan = dpace.plan(batch)
+    counts = dpace.counts(batch, plan)
+    with torch.no_grad():
+        loss, stats = dpace(batch, counts, plan)
+        decay_loss, decay_stats = decay(batch, counts, plan)
+        # the reference, materialised: KL per row from full softmaxes, weights from the rows' confidences
+        rows, trained = block_rows(plan, block_head.block_size, batch.loss_mask)
+        hidden = block_head.final_norm(block_outputs(block_head, batch, plan))[:, 1:]
+        log_q = torch.log_softmax(hidden @ block_head.lm_head_weight().T, dim=-1)
+        target = target_distribution(batch.hidden_states, dpace.target_norm, block_head.shared.lm_head, None, 4096)
+        p, greedy = target.probs[rows], target.greedy[rows]
+        kl = (p * (p.clamp(min=1e-30).log() - log_q)).sum(-1)
+        confidence = log_q.gather(-1, greedy[..., None])[..., 0].exp()
+        weights = dpace_weights(confidence, trained, 0.5)
+        expected = ((weights * kl).sum(0) / counts.clamp(min=1)).sum()
+    assert torch.allclose(loss, expected, rtol=1e-4), (loss, expected)
+    assert torch.equal(stats, decay_stats)  # the weights change the loss, never what is reported
+    assert not torch.allclose(decay_loss, expected, rtol=1e-2)  # control: the exp(-(k-1)/gamma) loss is another
+
+
+def test_training_steps_with_dpace_lower_its_loss(engine, batch):
+    head = fresh_head(engine).train().requires_grad_(True)
+    objective = dpace_objective(engine, head)
+    plan = objective.plan(batch)
+    counts = objective.counts(batch, plan)
+    before = float(objective(batch, counts, plan)[0].detach())
+    adam_fit(head, objective, batch, plan, counts, steps=4, lr=3e-3)
+    after = float(objective(batch, counts, plan)[0].detach())
+    assert after < before, (before, after)
+
+
+def test_position_weight_config_values_are_checked():
+    cfg = compose_training(["head=block", "head.position_weight=dpace", "head.dpace_alpha=0.25"], complete=False)
+    assert (cfg.head.position_weight, cfg.head.dpace_alpha) == ("dpace", 0.25)
+    assert compose_training(["head=block"], complete=False).head.position_weight == "exp_decay"  # the recipe's
+    with pytest.raises(ConfigError, match="head.position_weight must be one of exp_decay, dpace, got 'linear'"):
+        compose_training(["head=block", "head.position_weight=linear"], complete=False)
+    with pytest.raises(ConfigError, match="head.dpace_alpha must be"):
+        compose_training(["head=block", "head.dpace_alpha=0"], complete=False)
+
+
+def test_mask_token_id_config_reaches_the_head_config(stories_model):
+    cfg = compose_training(["head=block", "head.mask_token_id=3"], complete=False)
+    assert head_config(stories_model.config, cfg.head, {}).mask_token_id == 3
+    assert head_config(stories_model.config, compose_training(["head=block"], complete=False).head,
+                       {}).mask_token_id is None  # the recipe's: a learned mask row
+    with pytest.raises(ConfigError, match="head.mask_token_id must be >= 0"):
+        compose_training(["head=block", "head.mask_token_id=-1"], complete=False)
