@@ -34,7 +34,7 @@ import torch
 from infer.cli import CliError, parse_floats, run_cli
 from infer.engine import Engine
 from infer.loader import load_config, load_tokenizer
-from infer.prompts import read_prompt_file
+from infer.prompts import VALIDATION_PROMPTS, read_prompt_file
 from infer.sampling_params import SamplingParams
 from infer.serve.server import free_port
 
@@ -47,7 +47,9 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--model", required=True, type=Path, help="Hugging Face model folder")
     parser.add_argument("--draft", type=Path, help="MTP/EAGLE head folder: adds the speculative mode (--spec mtp)")
     parser.add_argument("--num-draft-tokens", type=int, default=None, help="fixed K (default: the head's per batch)")
-    parser.add_argument("--prompt-file", required=True, type=Path, help="JSONL prompts (MT-bench, Spec-Bench)")
+    parser.add_argument("--prompt-file", type=Path, default=None,
+                        help="JSONL prompts (MT-bench, Spec-Bench); default: infer.prompts.VALIDATION_PROMPTS, the "
+                             "64 held-out story openings the heads are validated on")
     parser.add_argument("--rates", default="2,16", help="arrival rates, requests/s, comma-separated (default 2,16)")
     parser.add_argument("--num-requests", type=int, default=64, help="requests per rate and mode (default 64)")
     parser.add_argument("--max-tokens", type=int, default=64, help="tokens per request, EOS ignored (default 64)")
@@ -198,7 +200,8 @@ def fitting_prompts(prompts: list[str], args: argparse.Namespace) -> list[str]:
         raise CliError(f"{args.model} has no tokenizer")
     fitting = [p for p in prompts if len(tokenizer.encode(p, verbose=False)) + args.max_tokens <= context]
     if not fitting:
-        raise CliError(f"no prompt of {args.prompt_file} leaves room for {args.max_tokens} tokens in the model's "
+        source = args.prompt_file or "VALIDATION_PROMPTS"
+        raise CliError(f"no prompt of {source} leaves room for {args.max_tokens} tokens in the model's "
                        f"context of {context}")
     if len(fitting) < len(prompts):
         print(f"note: {len(prompts) - len(fitting)} of {len(prompts)} prompts leave no room for --max-tokens "
@@ -228,7 +231,8 @@ def main(argv: list[str] | None = None) -> int:
         raise CliError(f"--rates must be positive numbers, got {args.rates!r}")
     if args.num_requests < 1 or args.max_tokens < 1:
         raise CliError("--num-requests and --max-tokens must be >= 1")
-    pool = fitting_prompts(read_prompt_file(args.prompt_file), args)
+    prompts = list(VALIDATION_PROMPTS) if args.prompt_file is None else read_prompt_file(args.prompt_file)
+    pool = fitting_prompts(prompts, args)
     rng = random.Random(args.seed)
     modes = ["plain"] + (["spec"] if args.draft else [])
     servers = {}
