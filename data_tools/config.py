@@ -92,7 +92,7 @@ class HeadConfig:
     draft_vocab_rule: str = field(default="probability", metadata=one_of("probability", "frequency"))
     draft_vocab_tokens: int = field(default=2_000_000, metadata=at_least(1))
     trainable_lm_head: bool = False
-    num_key_value_heads: Optional[int] = field(default=None, metadata=at_least(1))  # EAGLE-3's (null: the target's)
+    num_key_value_heads: Optional[int] = field(default=None, metadata=at_least(1))  # EAGLE-3 / block (null: the target's)
     norm_before_residual: bool = False  # EAGLE-3: its residual starts from the normed fused state (conf/head/eagle3)
     # block heads (infer/models/block_head.py; layer_ids as EAGLE-3's): rows of the query block (block_size - 1
     # drafts a forward), decoder layers, anchors drawn a record, and the per-position loss weights: exp_decay

@@ -13,6 +13,7 @@ import torch
 from infer.bench.forward_costs import ForwardCosts, forward_costs
 from infer.engine import Engine, EngineConfig
 from infer.cli import run_cli
+from infer.models.head_base import repeat_kv_heads
 from infer.models.mtp_head import HeadLoadError, init_head_from_target, load_head, save_head
 from infer.sampling_params import SamplingParams
 from mtp_train.block_unroll import block_replay
@@ -224,3 +225,28 @@ def test_a_reserved_mask_token_id_embeds_the_mask_rows_as_that_token(stories_mod
     assert loaded.config.mask_token_id == 7 and torch.equal(loaded.block_inputs(first), rows)
     with pytest.raises(HeadLoadError, match="head.mask_token_id=512 is not a token of the target's 512-token"):
         init_head_from_target(stories_model, "stories260K", "block", block_size=4, mask_token_id=512)
+
+
+def test_a_head_with_more_key_value_heads_serves_as_the_narrow_one(stories_model, stories_tokenizer, block_head):
+    """The fitted head with each key/value head repeated (head.num_key_value_heads=8, the same function): the runtime
+    sizes its context cache for 8 heads and drafts, accepts and emits exactly what the 4-head head does."""
+    wide = init_head_from_target(stories_model, "stories260K", "block", block_size=BLOCK, num_key_value_heads=8)
+    state = block_head.state_dict()
+    for i, layer in enumerate(wide.layers):
+        attn, name = layer.self_attn, f"layers.{i}.self_attn"
+        fused = torch.cat([state[f"{name}.{p}_proj.weight"] for p in "qkv"])
+        q, k, v = repeat_kv_heads(fused, attn.num_heads, 8, attn.head_dim, "test").split((64, 64, 64))
+        state |= {f"{name}.q_proj.weight": q, f"{name}.k_proj.weight": k, f"{name}.v_proj.weight": v}
+    wide.load_state_dict(state)
+    prompts = [stories_tokenizer.encode(p) for p in TRAIN_PROMPTS[:4]]
+    params = [SamplingParams(max_new_tokens=32, ignore_eos=True)] * len(prompts)
+    runs = []
+    for head in (wide, block_head):
+        engine = engine_for(stories_model, stories_tokenizer, 7, page_size=8, num_pages=128)
+        engine.attach_drafter("block", head)
+        assert engine.drafter.runner.kv_caches[0].shape[2] == head.layers[0].self_attn.num_kv_heads
+        runs.append(drive(engine, prompts, params))
+    timing = ("draft_time_s", "verify_time_s")
+    wide_spec, narrow_spec = ({k: v for k, v in run.spec.items() if k not in timing} for run in runs)
+    assert wide_spec == narrow_spec and narrow_spec["tau"] > 1.3, narrow_spec
+    assert runs[0].outputs == runs[1].outputs

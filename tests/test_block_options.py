@@ -1,16 +1,19 @@
 """The block head's training options. D-PACE per-position weights (mtp_train.block_unroll, head.position_weight=dpace):
 the weights against hand-worked values, the draft confidence they read, the objective's loss against a materialised
 reference on an untrained block head started from stories260K's last layer, a few training steps with it, and its
-config values; head.mask_token_id from the config into the head (its function: tests/test_block_head.py)."""
+config values; head.mask_token_id from the config into the head (its function: tests/test_block_head.py);
+head.num_key_value_heads (wider values: the same function at the start)."""
 
 from __future__ import annotations
+
+from copy import deepcopy
 
 import pytest
 import torch
 
 from data_tools.config import ConfigError
 from infer.engine import Engine, EngineConfig
-from infer.models.mtp_head import init_head_from_target
+from infer.models.mtp_head import HeadLoadError, head_config_for, init_head_from_target
 from mtp_train.block_unroll import BlockObjective, block_outputs, block_rows, dpace_weights, greedy_confidence
 from mtp_train.config import compose_training
 from mtp_train.heads import head_config
@@ -119,3 +122,33 @@ def test_mask_token_id_config_reaches_the_head_config(stories_model):
                        {}).mask_token_id is None  # the recipe's: a learned mask row
     with pytest.raises(ConfigError, match="head.mask_token_id must be >= 0"):
         compose_training(["head=block", "head.mask_token_id=-1"], complete=False)
+
+
+def test_more_key_value_heads_start_as_the_target_layer(stories_model):
+    """head.num_key_value_heads=8 on a target of 4: the untrained block head is the same function as the 4-head one
+    (each key and value head repeated for the query heads it served; tiled instead, the control, it is not), and the
+    trainer's config reaches it (served: tests/test_block_head.py)."""
+    wide = init_head_from_target(stories_model, "stories260K", "block", block_size=4, num_key_value_heads=8)
+    narrow = init_head_from_target(stories_model, "stories260K", "block", block_size=4)
+    assert wide.layers[0].self_attn.num_kv_heads == 8 and narrow.layers[0].self_attn.num_kv_heads == 4
+    gen = torch.Generator().manual_seed(1)
+    features, first = torch.randn(12, 64, generator=gen), torch.tensor([5, 9])
+    positions, valid = 12 + torch.arange(4).expand(2, -1), torch.arange(12).expand(2, -1) < torch.tensor([[12], [7]])
+
+    def logits(head) -> torch.Tensor:
+        with torch.no_grad():
+            context = [kv[None] for kv in head.context_kv(features, torch.arange(12))]
+            return head(first, positions, context, valid)
+
+    torch.testing.assert_close(logits(wide), logits(narrow), rtol=1e-5, atol=1e-5)
+    tiled = deepcopy(wide)
+    with torch.no_grad():  # the broken control: key / value heads 0 1 2 3 0 1 2 3 instead of 0 0 1 1 2 2 3 3
+        for proj in (tiled.layers[0].self_attn.k_proj, tiled.layers[0].self_attn.v_proj):
+            rows = proj.weight.unflatten(0, (8, -1))
+            proj.weight.copy_(torch.cat((rows[0::2], rows[0::2])).flatten(0, 1))
+    assert (logits(tiled) - logits(narrow)).abs().max() > 1e-2
+
+    with pytest.raises(HeadLoadError, match="num_key_value_heads=3 must divide"):
+        head_config_for(stories_model.config, {}, "block", num_key_value_heads=3)
+    cfg = compose_training(["head=block", "head.num_key_value_heads=8"], complete=False)
+    assert head_config(stories_model.config, cfg.head, {}).decoder["num_key_value_heads"] == 8

@@ -38,7 +38,7 @@ from transformers import LlamaConfig, PretrainedConfig
 from infer.attention import cast
 from infer.models.common import RMSNorm, RotaryEmbedding, apply_rope_half
 from infer.models.eagle3_head import default_layer_ids
-from infer.models.head_base import DraftHead, HeadLoadError, MTPHeadConfig
+from infer.models.head_base import DraftHead, HeadLoadError, MTPHeadConfig, repeat_kv_heads
 from infer.models.llama import LlamaMLP
 from infer.parallel import current
 
@@ -224,11 +224,14 @@ class BlockHead(DraftHead):
             self.fc.weight[:, -hidden:] = torch.eye(hidden)
 
     def load_target_layer(self, layer: dict[str, torch.Tensor]) -> None:
-        """Every block layer starts as a target layer (infer's fused qkv_proj split into q/k/v); the mask embedding
-        starts at zero (after the input norm: a zero row, which attends by position alone)."""
+        """Every block layer starts as a target layer (infer's fused qkv_proj split into q/k/v, each key/value head
+        repeated where the head has more: the same function); the mask embedding starts at zero (after the input
+        norm: a zero row, which attends by position alone)."""
         attn = self.layers[0].self_attn
         q_rows, kv_rows = attn.num_heads * attn.head_dim, attn.num_kv_heads * attn.head_dim
         qkv = layer["self_attn.qkv_proj.weight"]
+        if qkv.shape[0] > q_rows and (qkv.shape[0] - q_rows) % (2 * attn.head_dim) == 0:
+            qkv = repeat_kv_heads(qkv, attn.num_heads, attn.num_kv_heads, attn.head_dim, "a block layer")
         if qkv.shape[0] != q_rows + 2 * kv_rows:
             raise HeadLoadError(f"a block layer of {attn.num_heads}/{attn.num_kv_heads} heads cannot start from a "
                                 f"target layer with {qkv.shape[0]} q/k/v rows")

@@ -48,7 +48,7 @@ from transformers import LlamaConfig, PretrainedConfig
 
 from infer.attention import AttentionBackend, cast
 from infer.models.common import ModelOutput, RMSNorm, RotaryEmbedding, keep_output_rows
-from infer.models.head_base import DraftHead, HeadLoadError, MTPHeadConfig
+from infer.models.head_base import DraftHead, HeadLoadError, MTPHeadConfig, repeat_kv_heads
 from infer.models.llama import LlamaAttention, LlamaMLP
 from infer.parallel import ParallelLMHead, TPGroup, current, whole_weight
 
@@ -239,20 +239,8 @@ class Eagle3Head(DraftHead):
                                     f"{unexpected[:4]}")
 
     def _kv_heads_repeated(self, fused: torch.Tensor) -> torch.Tensor:
-        """A target layer's fused q/k/v rows (this rank's) with each key and value head repeated for this head's
-        num_key_value_heads: query head h reads key/value head h // group in both."""
         attn = self.layer.self_attn
-        q_rows = attn.num_heads * attn.head_dim
-        target_kv = (fused.shape[0] - q_rows) // (2 * attn.head_dim)
-        if target_kv == attn.num_kv_heads:
-            return fused
-        if target_kv == 0 or attn.num_kv_heads % target_kv:
-            raise HeadLoadError(f"an EAGLE-3 layer of {attn.num_kv_heads} key/value heads cannot start from a target "
-                                f"layer of {target_kv}: num_key_value_heads must be a multiple of the target's")
-        repeat = lambda rows: rows.unflatten(0, (target_kv, -1)).repeat_interleave(  # noqa: E731
-            attn.num_kv_heads // target_kv, dim=0).flatten(0, 1)
-        k, v = fused[q_rows:].chunk(2)
-        return torch.cat((fused[:q_rows], repeat(k), repeat(v)))
+        return repeat_kv_heads(fused, attn.num_heads, attn.num_kv_heads, attn.head_dim, "an EAGLE-3 layer")
 
     def share_lm_head_rows(self) -> None:
         """A trainable lm_head starts from the target's rows at the draft ids."""

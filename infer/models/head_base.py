@@ -24,6 +24,23 @@ class HeadLoadError(ValueError):
     """A head folder that cannot serve this target; the message names the file or field."""
 
 
+def repeat_kv_heads(fused: torch.Tensor, num_heads: int, num_kv_heads: int, head_dim: int, who: str) -> torch.Tensor:
+    """A target layer's fused q/k/v rows with each key and value head repeated for a head layer of `num_kv_heads`
+    (query head h reads key/value head h // group in both): the same function, with values as wide as the queries
+    (the only path by which a token reaches an EAGLE-3 or block layer). `who` names the layer in the error."""
+    q_rows = num_heads * head_dim
+    target_kv = (fused.shape[0] - q_rows) // (2 * head_dim)
+    if target_kv == num_kv_heads:
+        return fused
+    if target_kv == 0 or num_kv_heads % target_kv:
+        raise HeadLoadError(f"{who} of {num_kv_heads} key/value heads cannot start from a target layer of "
+                            f"{target_kv}: num_key_value_heads must be a multiple of the target's")
+    k, v = fused[q_rows:].chunk(2)
+    repeat = lambda rows: rows.unflatten(0, (target_kv, -1)).repeat_interleave(  # noqa: E731
+        num_kv_heads // target_kv, dim=0).flatten(0, 1)
+    return torch.cat((fused[:q_rows], repeat(k), repeat(v)))
+
+
 @dataclass
 class MTPHeadConfig:
     hidden_size: int

@@ -196,8 +196,8 @@ def head_config_for(target_config: PretrainedConfig, identity: dict, architectur
     (infer.models.eagle3_head): the switches do not apply; layer_ids (None: the default rule), draft_vocab_size
     (None: the whole vocabulary), trainable_lm_head and norm_before_residual do. intermediate_size: the layer's dense
     MLP width (None: the target's; on a small target a wider head MLP costs little and drafts better,
-    docs/benchmark_history.md "Recipes"). num_key_value_heads: an EAGLE-3 layer's key/value heads (None: the target's;
-    more widen the only path by which its token reaches the residual stream, same section). block (infer.models.
+    docs/benchmark_history.md "Recipes"). num_key_value_heads: an EAGLE-3 or block layer's key/value heads (None: the
+    target's; more widen the only path by which its token reaches the residual stream, same section). block (infer.models.
     block_head): layer_ids as EAGLE-3's, block_size (rows of the query block), num_layers, mask_token_id (the
     reserved id the mask rows embed as; None: a learned mask embedding) and qk_norm (per-head q/k norms).
     """
@@ -224,8 +224,9 @@ def head_config_for(target_config: PretrainedConfig, identity: dict, architectur
     fields = {**defaults, **switches}
     if num_key_value_heads is not None:
         heads = decoder["num_attention_heads"]
-        if architecture != "eagle3" or kind != "llama":
-            raise HeadLoadError(f"num_key_value_heads sets an EAGLE-3 layer's key/value heads, not {architecture}'s")
+        if architecture not in ("eagle3", "block") or kind != "llama":
+            raise HeadLoadError(f"num_key_value_heads sets an EAGLE-3 or block layer's key/value heads, not "
+                                f"{architecture}'s")
         if heads % num_key_value_heads or num_key_value_heads % decoder["num_key_value_heads"]:
             raise HeadLoadError(f"num_key_value_heads={num_key_value_heads} must divide the {heads} attention heads "
                                 f"and be a multiple of the target's {decoder['num_key_value_heads']}")
