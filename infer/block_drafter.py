@@ -66,9 +66,10 @@ class BlockDrafter(Drafter):
         pending token and k mask rows: a forward that costs with K, at the price of fewer mask rows than trained)."""
         return k + 1 if self.short_blocks else self.block_size
 
-    def block_logits(self, requests: Sequence[SpeculatingRequest], rows: int | None = None) -> Tensor:
-        """[B, rows - 1, V] each request's draft logits from one block forward of `rows` rows (default: the trained
-        block) over its settled context."""
+    def block_logits(self, requests: Sequence[SpeculatingRequest], rows: int | None = None,
+                     num_drafts: int | None = None) -> Tensor:
+        """[B, num_drafts or rows - 1, V] each request's draft logits from one block forward of `rows` rows (default:
+        the trained block) over its settled context."""
         device, size = self.device, self.page_size
         lens = torch.tensor([r.num_computed for r in requests], device=device)  # context length = pending position
         longest = max(int(lens.max()), 1)
@@ -81,7 +82,7 @@ class BlockDrafter(Drafter):
         context = [cache[slots] for cache in self.runner.kv_caches]  # per layer [B, L, 2, kvh, D]
         positions = lens[:, None] + torch.arange(rows or self.block_size, device=device)  # [B, rows]
         first = torch.tensor([r.token_ids[-1] for r in requests], device=device)
-        return self.head(first, positions, context, valid)
+        return self.head(first, positions, context, valid, num_drafts)
 
     def draft(self, requests: Sequence[SpeculatingRequest], k: int, sampling: SamplingTensors,
               generators: Sequence[torch.Generator]) -> tuple[Tensor, Tensor | None]:
@@ -90,7 +91,7 @@ class BlockDrafter(Drafter):
             raise ValueError(f"num_draft_tokens={k}: a block head of block_size {self.block_size} drafts 1.."
                              f"{self.block_size - 1} tokens a step")
         start = time.perf_counter()
-        logits = self.block_logits(requests, self.block_rows(k))[:, :k]  # [B, k, V]
+        logits = self.block_logits(requests, self.block_rows(k), k)  # [B, k, V]
         self.runner.forward_s += time.perf_counter() - start
         if sampling.all_greedy:
             tokens, probs = logits.argmax(-1), None

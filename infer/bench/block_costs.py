@@ -41,7 +41,7 @@ class BlockTimedForwards:
         self.verify = timed.verify
 
     def draft(self) -> None:
-        self.engine.drafter.block_logits(self.requests, self.engine.drafter.block_rows(self.timed.k))
+        self.engine.drafter.block_logits(self.requests, self.engine.drafter.block_rows(self.timed.k), self.timed.k)
 
     def catch_up(self) -> None:
         self.engine.drafter.propose(self.rows)

@@ -200,11 +200,12 @@ class BlockHead(DraftHead):
         return x
 
     def forward(self, first_ids: torch.Tensor, positions: torch.Tensor, context: list[torch.Tensor],
-                ctx_valid: torch.Tensor) -> torch.Tensor:
-        """[N] pending tokens at positions [N, B] -> [N, B-1, V] fp32 logits of the drafts at positions 1..B-1."""
+                ctx_valid: torch.Tensor, num_drafts: int | None = None) -> torch.Tensor:
+        """[N] pending tokens at positions [N, B] -> [N, num_drafts or B-1, V] fp32 logits of the drafts at positions
+        1..num_drafts: the lm_head (a vocabulary wide) runs on the rows a step keeps, not the whole block."""
         assert self.shared is not None, "attach() the target's weights first"
         x = self.block_hidden(self.block_inputs(first_ids, positions.shape[1]), positions, context, ctx_valid)
-        return self.compute_logits(x[:, 1:])
+        return self.compute_logits(x[:, 1:1 + num_drafts] if num_drafts else x[:, 1:])
 
     # --- KV cache: every layer's context keys/values, one row per slot (page * page_size + offset) ---------------
     def allocate_kv_cache(self, num_pages: int, page_size: int, dtype: torch.dtype, device: torch.device) -> list:
