@@ -10,15 +10,14 @@ A step (`draft`): one forward of the block, B rows a request at positions p..p+B
 token's position) reading the context slots 0..p-1 gathered from the pages; its rows 1..K give the K drafts, then
 `speculative_decode` verifies them in one target forward of K+1 rows. K may be below the head's B-1 (its first K
 drafts of the trained block, as DFlash runs it). With `short_blocks` a step of K drafts runs K + 1 rows instead, so
-that the forward costs with K: the mask rows all hold the same embedding, hence the same values, and dropping the
-trailing ones left acceptance unchanged on the pipeline's stories260K head (tau 2.28 vs 2.28 at K=3, 2.35 vs 2.35 at
-K=7, 32 held-out openings x 128 tokens) but collapsed the first draft of the small head the tests fit (0.46 -> 0.0 at
-K=2): a block shorter than trained is off the training distribution, so it is an option, not the default.
+that the forward costs with K: a block shorter than trained is off the training distribution (on one head it kept
+acceptance, on another it lost the first draft: docs/block_head.md), so it is an option, not the default.
 
-Proposals at T>0: the argmax of each row with a one-hot q (`sample_drafts=False`, the default: DFlash's finding
-that independent per-position draws collapse acceptance, since row k's distribution is a marginal, not conditioned
-on the draws before it), or a draw from each row's own distribution, q being that distribution. Both are lossless
-under rejection sampling: the verifier is given the distribution the proposal was drawn from.
+Proposals at T>0 (`EngineConfig.block_proposals`): the argmax of each row with a one-hot q (`sample_drafts=False`,
+the default: DFlash's finding that independent per-position draws collapse acceptance, since row k's distribution is
+a marginal, not conditioned on the draws before it), or a draw from each row's own distribution, q being that
+distribution. Both are lossless under rejection sampling: the verifier is given the distribution the proposal was
+drawn from.
 """
 
 from __future__ import annotations
@@ -29,6 +28,7 @@ from collections.abc import Sequence
 import torch
 from torch import Tensor
 
+from infer.cuda_graphs import GraphSettings
 from infer.sampler import SamplingTensors, sample, target_probs
 from infer.speculative import DRAFTERS, Drafter, SpeculatingRequest, TargetRows
 
@@ -38,7 +38,9 @@ class BlockDrafter(Drafter):
     needs_hidden_states = True
 
     def __init__(self, model: torch.nn.Module, num_pages: int, page_size: int, backend: str,
-                 sample_drafts: bool = False, short_blocks: bool = False) -> None:
+                 graphs: GraphSettings | None = None, sample_drafts: bool = False, short_blocks: bool = False) -> None:
+        """graphs: accepted as every drafter's, unused: the block forward runs eagerly (its context gather and
+        whole-block attention are not in the graph runner's shapes)."""
         super().__init__(model, num_pages, page_size, backend)
         self.target_aux_layers = tuple(model.target_aux_layers)
         self.block_size = int(model.config.block_size)

@@ -13,6 +13,7 @@ import torch
 from infer import parallel
 from infer.atomic_io import OutputExistsError
 from infer.engine import EngineConfig
+from infer.engine.loop import BLOCK_PROPOSALS
 from infer.loader import DTYPES, ModelLoadError
 from infer.models.mtp_head import HeadLoadError, read_head_config
 
@@ -72,6 +73,13 @@ def add_spec_args(parser: argparse.ArgumentParser) -> None:
     group.add_argument("--num-draft-tokens", type=int, default=None,
                        help="K, tokens proposed per step (default: the head's recommended K for the batch, else 4; "
                             "a recommended 0, plain decoding predicted faster, does not speculate)")
+    add_block_proposals_arg(group)
+
+
+def add_block_proposals_arg(group: argparse._ActionsContainer) -> None:
+    group.add_argument("--block-proposals", choices=list(BLOCK_PROPOSALS), default=EngineConfig.block_proposals,
+                       help="a block head's drafts at T > 0: argmax (verified with a one-hot q) or sample (each "
+                            f"position drawn from its own distribution); default {EngineConfig.block_proposals}")
 
 
 DEFAULT_NUM_DRAFT_TOKENS = 4
@@ -114,7 +122,7 @@ def engine_kwargs(args: argparse.Namespace, max_num_seqs: int) -> dict:
     return dict(page_size=args.page_size, num_pages=args.num_pages, max_num_seqs=max_num_seqs,
                 max_num_batched_tokens=args.max_num_batched_tokens, backend=args.attention_backend,
                 decode_run_steps=args.decode_run_steps, cuda_graphs="on" if args.cuda_graphs else "off",
-                overlap=args.overlap)
+                overlap=args.overlap, block_proposals=getattr(args, "block_proposals", EngineConfig.block_proposals))
 
 
 def run_cli(main: Callable[[], int]) -> int:

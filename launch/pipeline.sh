@@ -15,7 +15,8 @@
 #      acceptance per position, tau, speedup, the trainer's per-step top-1 on the same text);
 #   6. export each head in the runtime format (EAGLE-3 also as eagle3 and speculators), with its recommended K;
 #   7. print the heads' figures side by side.
-# HEADS="mtp eagle3 eagle1" adds the EAGLE-1 ablation on the same features.
+# HEADS="mtp eagle3 eagle1" adds the EAGLE-1 ablation on the same features; HEADS="mtp eagle3 block" the block
+# drafter (BLOCK_STEPS steps whatever the recipe: its mask rows learn slowly, docs/block_head.md).
 # ONLINE=1: no precompute stage and no feature files: each training rank's copy of the target computes its micro
 # batches' features in the training job (features=online, mtp_train.online), the same records as step 3 would store.
 #
@@ -41,6 +42,8 @@ JOBS=${JOBS:-}                 # heads trained at once (default: on a CPU, one p
 NPROC=${NPROC:-}               # torchrun processes per head (default: on a CPU, its cores / JOBS; else every GPU)
 K=${K:-4}                      # draft tokens per step when validating
 BLOCK_K=${BLOCK_K:-15}         # the block head's (its block_size - 1: its acceptance at every position it drafts)
+BLOCK_STEPS=${BLOCK_STEPS:-2000}  # the block head's optimizer steps, whatever RECIPE (docs/block_head.md: its mask rows
+                                 # learn slowly, and it gains on to 2000 where the others stop gaining by 600)
 THREADS=${THREADS:-1}          # torch threads per process: tiny models run best on one
 AUTOCAST=${AUTOCAST:-auto}     # heads' linear layers in bf16 (trainer.autocast): auto = where bf16 matmuls are native
 ONLINE=${ONLINE:-0}            # 1: features computed in the training job (features=online), nothing precomputed
@@ -130,12 +133,13 @@ fi
 # has no such flag), as eagle3 (SGLang) (mtp_train.export --help says which head each format takes).
 build_head() {
   local head=$1 run=$OUT/run-$1
-  local formats=(runtime)
+  local formats=(runtime) head_steps=("${steps[@]}")
+  if [ "$head" = block ]; then head_steps=(trainer.max_steps="$BLOCK_STEPS"); fi
   stamp "train the $head head ($NPROC process(es) x $MICRO records a step; log: $OUT/run-$head.log)" >&3
   NPROC_PER_NODE=$NPROC launch/train.sh model.path="$MODEL" "${features[@]}" data=stories260k \
     head="$head" output_dir="$run" trainer.dtype=float32 trainer.autocast="$AUTOCAST" trainer.progress=false \
     trainer.eval_every=0 trainer.micro_batch_size="$MICRO" trainer.grad_accum=1 validate.enabled=false \
-    loss.chain_share="$CHAIN_SHARE" "${steps[@]}"
+    loss.chain_share="$CHAIN_SHARE" "${head_steps[@]}"
   stamp "validate the $head head in infer/" >&3
   python -m mtp_train.validate --target "$MODEL" --head "$run/head" --run-dir "$run" --out "$run/validation" \
     --num-draft-tokens "$(if [ "$head" = block ]; then echo "$BLOCK_K"; else echo "$K"; fi)" --threads "$THREADS"

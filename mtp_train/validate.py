@@ -34,7 +34,7 @@ from infer.bench.speedup import (
     SPEC_MIN_NEW_TOKENS, TIMING_TOKENS, Comparison, IdealShare, TimingEngines, compare, cost_context,
     recommend_k_by_batch, timed_costs, timed_generate, timing_context, timing_engines,
 )
-from infer.cli import CliError, parse_floats, parse_ints, run_cli
+from infer.cli import CliError, add_block_proposals_arg, parse_floats, parse_ints, run_cli
 from infer.engine import Engine
 from infer.kv_cache import pages_needed
 from infer.loader import DTYPES, serve_lean
@@ -348,6 +348,7 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu", help="cpu or cuda")
     parser.add_argument("--dtype", choices=sorted(DTYPES), default="float32", help="target and head dtype")
     parser.add_argument("--threads", type=int, help="torch intra-op threads (tiny models on a busy CPU: 1)")
+    add_block_proposals_arg(parser)
     parser.add_argument("--tp", type=int, default=1, help="tensor-parallel ranks serving the target and the head; run "
                                                           "under torchrun --nproc_per_node TP")
     return parser
@@ -375,7 +376,9 @@ def main(argv: list[str] | None = None) -> int:
         torch.set_num_threads(args.threads)
     prompts = read_prompt_file(prompts_file) if prompts_file else VALIDATION_PROMPTS
     init_tp(args.tp, args.device)  # each rank loads its shard of the target and of the head
-    report = validate_head(target, head, prompts, k=args.num_draft_tokens, temperatures=temperatures,
+    served = Engine.from_pretrained(target, dtype=DTYPES[args.dtype], device=args.device,
+                                    block_proposals=args.block_proposals)
+    report = validate_head(served, head, prompts, k=args.num_draft_tokens, temperatures=temperatures,
                            max_new_tokens=args.max_new_tokens, batch_size=args.batch_size, seed=args.seed,
                            repeats=args.repeats, dtype=DTYPES[args.dtype], device=args.device,
                            recommend_for=recommend_for)

@@ -5,6 +5,7 @@ replay, and sampling at T=1 lossless with argmax proposals (one-hot q) and with 
 
 from __future__ import annotations
 
+import argparse
 import math
 
 import pytest
@@ -12,7 +13,7 @@ import torch
 
 from infer.bench.forward_costs import ForwardCosts, forward_costs
 from infer.engine import Engine, EngineConfig
-from infer.cli import run_cli
+from infer.cli import add_spec_args, engine_kwargs, run_cli
 from infer.models.head_base import repeat_kv_heads
 from infer.models.mtp_head import HeadLoadError, init_head_from_target, load_head, save_head
 from infer.sampling_params import SamplingParams
@@ -131,9 +132,9 @@ def test_sampled_tokens_follow_the_target(stories_model, stories_tokenizer, stor
     setting = dict(temperature=1.0)
     prompt = dist_prompt(stories_model, stories_tokenizer)
     engine = engine_for(stories_model, stories_tokenizer, 2, page_size=8, num_pages=1024, max_num_seqs=512,
-                        max_num_batched_tokens=512 * len(prompt))
+                        max_num_batched_tokens=512 * len(prompt), block_proposals="sample" if sample_drafts else "argmax")
     engine.attach_drafter("block", block_head)
-    engine.drafter.sample_drafts = sample_drafts
+    assert engine.drafter.sample_drafts is sample_drafts
     requests = [engine.add_request(prompt, SamplingParams(max_new_tokens=2, ignore_eos=True, seed=seed, **setting))
                 for seed in range(DIST_N)]
     while engine.has_unfinished():
@@ -250,3 +251,20 @@ def test_a_head_with_more_key_value_heads_serves_as_the_narrow_one(stories_model
     wide_spec, narrow_spec = ({k: v for k, v in run.spec.items() if k not in timing} for run in runs)
     assert wide_spec == narrow_spec and narrow_spec["tau"] > 1.3, narrow_spec
     assert runs[0].outputs == runs[1].outputs
+
+
+def test_proposals_at_t_above_zero_are_the_engine_configs(stories_model, stories_tokenizer, block_head):
+    """An engine's block drafter proposes argmax drafts by default (the drafter's graph settings once landed in its
+    sample_drafts slot, which made every engine draw per position); `--block-proposals` reaches it from the CLIs."""
+    engine = engine_for(stories_model, stories_tokenizer, 3, page_size=8, num_pages=64)
+    engine.attach_drafter("block", block_head)
+    assert engine.drafter.sample_drafts is False and engine.drafter.short_blocks is False
+    bad = engine_for(stories_model, stories_tokenizer, 3, page_size=8, num_pages=64, block_proposals="top")
+    with pytest.raises(ValueError, match="block_proposals='top': choose argmax or sample"):
+        bad.attach_drafter("block", block_head)
+    parser = argparse.ArgumentParser()
+    add_spec_args(parser)
+    args = parser.parse_args(["--block-proposals", "sample"])
+    args.page_size, args.num_pages, args.max_num_batched_tokens, args.decode_run_steps = 8, 64, 64, 1
+    args.attention_backend, args.cuda_graphs, args.overlap = "torch", False, False
+    assert engine_kwargs(args, max_num_seqs=4)["block_proposals"] == "sample"

@@ -46,7 +46,8 @@ from infer.bench.forward_costs import ForwardCosts
 from infer.bench.speedup import (SPEC_MIN_NEW_TOKENS, IdealShare, StepOverhead, compare, cost_context,
                                  ideal_speedup_with_tail, interleaved_stream, live_per_verify_step, recommend_k,
                                  timed_costs, timed_generate)
-from infer.cli import CliError, add_engine_args, engine_kwargs, parse_floats, parse_ints
+from infer.cli import (CliError, add_block_proposals_arg, add_engine_args, engine_kwargs, parse_floats,
+                       parse_ints)
 from infer.engine import Engine
 from infer.loader import DTYPES
 from infer.parallel import attach_where_it_lives, current, init_tp, on_rank0, serve_forever
@@ -294,6 +295,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--draft", type=Path, help="draft LM folder (--spec draft) or head folder (--spec mtp, block)")
     parser.add_argument("--num-draft-tokens", default="1,2,3,4", help="comma-separated K values (default 1,2,3,4)")
     parser.add_argument("--temperatures", default="0", help="comma-separated temperatures for --spec (default 0)")
+    add_block_proposals_arg(parser)
     parser.add_argument("--arrivals", type=int, default=4,
                         help="--spec: also run a stream of max(batch sizes) requests arriving one every N steps and "
                              "report the share of decode steps that speculated (default 4; 0: skip)")
