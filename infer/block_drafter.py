@@ -13,11 +13,13 @@ drafts of the trained block, as DFlash runs it). With `short_blocks` a step of K
 that the forward costs with K: a block shorter than trained is off the training distribution (on one head it kept
 acceptance, on another it lost the first draft: docs/block_head.md), so it is an option, not the default.
 
-Proposals at T>0 (`EngineConfig.block_proposals`): the argmax of each row with a one-hot q (`sample_drafts=False`,
-the default: DFlash's finding that independent per-position draws collapse acceptance, since row k's distribution is
-a marginal, not conditioned on the draws before it), or a draw from each row's own distribution, q being that
-distribution. Both are lossless under rejection sampling: the verifier is given the distribution the proposal was
-drawn from.
+Proposals at T>0 (`EngineConfig.block_proposals`, BLOCK_PROPOSALS): "argmax", every row's argmax with a one-hot q
+(DFlash's answer to its finding that independent per-position draws collapse acceptance: row k's distribution is a
+marginal over the drafts before it, not conditioned on them); "sample", a draw from every row's own distribution, q
+being that distribution; "sample-first", a draw for the first draft (its row is a true conditional: the context and
+the pending token) and the argmax after it. Each is lossless under rejection sampling: the verifier is given the
+distribution each proposal was drawn from (an argmax row's does not depend on the draws before it, so its one-hot is
+a proper proposal distribution). Which accepts most is measured per head: docs/block_head.md.
 """
 
 from __future__ import annotations
@@ -33,18 +35,23 @@ from infer.sampler import SamplingTensors, sample, target_probs
 from infer.speculative import DRAFTERS, Drafter, SpeculatingRequest, TargetRows
 
 
+BLOCK_PROPOSALS = ("argmax", "sample", "sample-first")  # a block head's drafts at T > 0 (module docstring)
+
+
 class BlockDrafter(Drafter):
     kind = "block"
     needs_hidden_states = True
 
     def __init__(self, model: torch.nn.Module, num_pages: int, page_size: int, backend: str,
-                 graphs: GraphSettings | None = None, sample_drafts: bool = False, short_blocks: bool = False) -> None:
+                 graphs: GraphSettings | None = None, proposals: str = "argmax", short_blocks: bool = False) -> None:
         """graphs: accepted as every drafter's, unused: the block forward runs eagerly (its context gather and
         whole-block attention are not in the graph runner's shapes)."""
         super().__init__(model, num_pages, page_size, backend)
         self.target_aux_layers = tuple(model.target_aux_layers)
         self.block_size = int(model.config.block_size)
-        self.sample_drafts = sample_drafts
+        if proposals not in BLOCK_PROPOSALS:
+            raise ValueError(f"block_proposals={proposals!r}: choose one of {', '.join(BLOCK_PROPOSALS)}")
+        self.proposals = proposals
         self.short_blocks = short_blocks
 
     @property
@@ -95,17 +102,13 @@ class BlockDrafter(Drafter):
         start = time.perf_counter()
         logits = self.block_logits(requests, self.block_rows(k), k)  # [B, k, V]
         self.runner.forward_s += time.perf_counter() - start
-        if sampling.all_greedy:
-            tokens, probs = logits.argmax(-1), None
-        elif self.sample_drafts:
-            columns = [(sample(logits[:, j], sampling, generators),
-                        target_probs(logits[:, j], sampling.temperature, sampling.top_k, sampling.top_p))
-                       for j in range(k)]
-            tokens = torch.stack([t for t, _ in columns], dim=1)
-            probs = torch.stack([p for _, p in columns], dim=1)
-        else:  # argmax proposals, their distribution a one-hot q
-            tokens = logits.argmax(-1)
+        tokens = logits.argmax(-1)
+        probs = None
+        if not sampling.all_greedy:  # argmax rows propose with a one-hot q; the first `drawn` rows draw instead
             probs = torch.nn.functional.one_hot(tokens, logits.shape[-1]).float()
+            for j in range({"argmax": 0, "sample-first": 1, "sample": k}[self.proposals]):
+                tokens[:, j] = sample(logits[:, j], sampling, generators)
+                probs[:, j] = target_probs(logits[:, j], sampling.temperature, sampling.top_k, sampling.top_p)
         self.seconds += time.perf_counter() - start
         return tokens, probs
 

@@ -13,7 +13,7 @@ import torch
 from infer import parallel
 from infer.atomic_io import OutputExistsError
 from infer.engine import EngineConfig
-from infer.engine.loop import BLOCK_PROPOSALS
+from infer.block_drafter import BLOCK_PROPOSALS
 from infer.loader import DTYPES, ModelLoadError
 from infer.models.mtp_head import HeadLoadError, read_head_config
 
@@ -78,8 +78,9 @@ def add_spec_args(parser: argparse.ArgumentParser) -> None:
 
 def add_block_proposals_arg(group: argparse._ActionsContainer) -> None:
     group.add_argument("--block-proposals", choices=list(BLOCK_PROPOSALS), default=EngineConfig.block_proposals,
-                       help="a block head's drafts at T > 0: argmax (verified with a one-hot q) or sample (each "
-                            f"position drawn from its own distribution); default {EngineConfig.block_proposals}")
+                       help="a block head's drafts at T > 0: argmax (verified with a one-hot q), sample (each "
+                            "drawn from its own row's distribution) or sample-first (the first drawn, the argmax after "
+                            f"it); default {EngineConfig.block_proposals}")
 
 
 DEFAULT_NUM_DRAFT_TOKENS = 4

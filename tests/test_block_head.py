@@ -123,18 +123,17 @@ def block_second_token_logits(model, head, prompt: list[int], rows: int) -> torc
     return head(torch.arange(vocab), block_pos, context, torch.ones(vocab, len(prompt), dtype=torch.bool))[:, 0]
 
 
-@pytest.mark.parametrize("sample_drafts", [False, True], ids=["argmax, one-hot q", "per-position draws"])
-def test_sampled_tokens_follow_the_target(stories_model, stories_tokenizer, stories_reference, block_head,
-                                          sample_drafts):
+@pytest.mark.parametrize("proposals", ["argmax", "sample", "sample-first"])
+def test_sampled_tokens_follow_the_target(stories_model, stories_tokenizer, stories_reference, block_head, proposals):
     """N requests generate (t1, t2) at T=1, t2 from one speculative step (K=2: two drafts from one block); the pairs
     fit the target's exact joint distribution and fit neither the drafter's nor a verifier that resamples a rejection
     from p (the tests/test_speculative_sampling.py machinery)."""
     setting = dict(temperature=1.0)
     prompt = dist_prompt(stories_model, stories_tokenizer)
     engine = engine_for(stories_model, stories_tokenizer, 2, page_size=8, num_pages=1024, max_num_seqs=512,
-                        max_num_batched_tokens=512 * len(prompt), block_proposals="sample" if sample_drafts else "argmax")
+                        max_num_batched_tokens=512 * len(prompt), block_proposals=proposals)
     engine.attach_drafter("block", block_head)
-    assert engine.drafter.sample_drafts is sample_drafts
+    assert engine.drafter.proposals == proposals
     requests = [engine.add_request(prompt, SamplingParams(max_new_tokens=2, ignore_eos=True, seed=seed, **setting))
                 for seed in range(DIST_N)]
     while engine.has_unfinished():
@@ -146,7 +145,7 @@ def test_sampled_tokens_follow_the_target(stories_model, stories_tokenizer, stor
 
     p1, p2 = target_conditionals(stories_reference, prompt, setting)
     logits = block_second_token_logits(stories_model, block_head, prompt, engine.drafter.block_rows(2))
-    if sample_drafts:
+    if proposals != "argmax":  # sample and sample-first draw the first draft
         q2 = filtered_rows(logits, setting, p1 > 0)
     else:
         q2 = torch.nn.functional.one_hot(logits.argmax(-1), vocab).double() * (p1 > 0)[:, None]
@@ -158,7 +157,7 @@ def test_sampled_tokens_follow_the_target(stories_model, stories_tokenizer, stor
     accept_rate = (p1[:, None] * overlap).sum().item()
     z = (DIST_N - rejected - DIST_N * accept_rate) / math.sqrt(DIST_N * accept_rate * (1 - accept_rate))
     results = {name: pooled_chi_square(counts, joint) for name, joint in controls.items()}
-    print(f"\nblock sample_drafts={sample_drafts}: draft 1 accepted {DIST_N - rejected}/{DIST_N} (rate "
+    print(f"\nblock proposals={proposals}: draft 1 accepted {DIST_N - rejected}/{DIST_N} (rate "
           f"{accept_rate:.3f}, z={z:.1f}); target chi2={stat:.1f} (df {df}, p={pvalue:.3f}); "
           + "; ".join(f"{n} chi2={c:.1f} (p={p:.1e})" for n, (c, p, _) in results.items()))
     assert pvalue > ALPHA, f"(t1, t2) do not follow the target: chi2={stat:.1f}, df={df}, p={pvalue:.2e}"
@@ -255,12 +254,12 @@ def test_a_head_with_more_key_value_heads_serves_as_the_narrow_one(stories_model
 
 def test_proposals_at_t_above_zero_are_the_engine_configs(stories_model, stories_tokenizer, block_head):
     """An engine's block drafter proposes argmax drafts by default (the drafter's graph settings once landed in its
-    sample_drafts slot, which made every engine draw per position); `--block-proposals` reaches it from the CLIs."""
+    per-position-draws flag, which made every engine draw); `--block-proposals` reaches it from the CLIs."""
     engine = engine_for(stories_model, stories_tokenizer, 3, page_size=8, num_pages=64)
     engine.attach_drafter("block", block_head)
-    assert engine.drafter.sample_drafts is False and engine.drafter.short_blocks is False
+    assert engine.drafter.proposals == "argmax" and engine.drafter.short_blocks is False
     bad = engine_for(stories_model, stories_tokenizer, 3, page_size=8, num_pages=64, block_proposals="top")
-    with pytest.raises(ValueError, match="block_proposals='top': choose argmax or sample"):
+    with pytest.raises(ValueError, match="block_proposals='top': choose one of argmax, sample, sample-first"):
         bad.attach_drafter("block", block_head)
     parser = argparse.ArgumentParser()
     add_spec_args(parser)

@@ -49,12 +49,9 @@ class EngineConfig:
     # plain decode steps (no drafter) launch the next step from the device's sampled tokens before the host reads
     # them (`infer.engine.overlap`); the same tokens either way, off by default until the GPU check has timed it
     overlap: bool = False
-    # a block head's drafts at T > 0 (`infer.block_drafter`): "argmax" (verified with a one-hot q) or "sample" (each
-    # position drawn from its own row, verified with that row's distribution); greedy drafts are the argmax either way
+    # a block head's drafts at T > 0 (`infer.block_drafter.BLOCK_PROPOSALS`): "argmax" (verified with a one-hot q),
+    # "sample" (each drawn from its own row's distribution) or "sample-first" (the first drawn, the argmax after it)
     block_proposals: str = "argmax"
-
-
-BLOCK_PROPOSALS = ("argmax", "sample")
 
 
 class Engine:
@@ -136,12 +133,7 @@ class Engine:
         if devices != {self.runner.device}:
             raise ValueError(f"the drafter's weights are on {', '.join(sorted(map(str, devices)))} and the target's on "
                              f"{self.runner.device}: move the drafter to the target's device first")
-        options = {}
-        if kind == "block":
-            if self.config.block_proposals not in BLOCK_PROPOSALS:
-                raise ValueError(f"block_proposals={self.config.block_proposals!r}: choose "
-                                 f"{' or '.join(BLOCK_PROPOSALS)}")
-            options["sample_drafts"] = self.config.block_proposals == "sample"
+        options = {"proposals": self.config.block_proposals} if kind == "block" else {}
         self.drafter = DRAFTERS[kind](model, self.pool.num_pages, self.config.page_size, self.config.backend,
                                       self.graph_settings, **options)
         self.reset_spec_stats()
