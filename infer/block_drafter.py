@@ -15,11 +15,9 @@ acceptance, on another it lost the first draft: docs/block_head.md), so it is an
 
 Proposals at T>0 (`EngineConfig.block_proposals`, BLOCK_PROPOSALS): "argmax", every row's argmax with a one-hot q
 (DFlash's answer to its finding that independent per-position draws collapse acceptance: row k's distribution is a
-marginal over the drafts before it, not conditioned on them); "sample", a draw from every row's own distribution, q
-being that distribution; "sample-first", a draw for the first draft (its row is a true conditional: the context and
-the pending token) and the argmax after it. Each is lossless under rejection sampling: the verifier is given the
-distribution each proposal was drawn from (an argmax row's does not depend on the draws before it, so its one-hot is
-a proper proposal distribution). Which accepts most is measured per head: docs/block_head.md.
+marginal over the drafts before it, not conditioned on them), or "sample", a draw from every row's own distribution,
+q being that distribution. Both are lossless under rejection sampling: the verifier is given the distribution each
+proposal was drawn from. Which accepts more depends on the target: docs/block_head.md.
 """
 
 from __future__ import annotations
@@ -35,7 +33,7 @@ from infer.sampler import SamplingTensors, sample, target_probs
 from infer.speculative import DRAFTERS, Drafter, SpeculatingRequest, TargetRows
 
 
-BLOCK_PROPOSALS = ("argmax", "sample", "sample-first")  # a block head's drafts at T > 0 (module docstring)
+BLOCK_PROPOSALS = ("argmax", "sample")  # a block head's drafts at T > 0 (module docstring)
 
 
 class BlockDrafter(Drafter):
@@ -104,11 +102,12 @@ class BlockDrafter(Drafter):
         self.runner.forward_s += time.perf_counter() - start
         tokens = logits.argmax(-1)
         probs = None
-        if not sampling.all_greedy:  # argmax rows propose with a one-hot q; the first `drawn` rows draw instead
+        if not sampling.all_greedy and self.proposals == "sample":  # each row's draw, q its distribution
+            probs = torch.stack([target_probs(logits[:, j], sampling.temperature, sampling.top_k, sampling.top_p)
+                                 for j in range(k)], dim=1)
+            tokens = torch.stack([sample(logits[:, j], sampling, generators) for j in range(k)], dim=1)
+        elif not sampling.all_greedy:  # the argmax, its distribution a one-hot q
             probs = torch.nn.functional.one_hot(tokens, logits.shape[-1]).float()
-            for j in range({"argmax": 0, "sample-first": 1, "sample": k}[self.proposals]):
-                tokens[:, j] = sample(logits[:, j], sampling, generators)
-                probs[:, j] = target_probs(logits[:, j], sampling.temperature, sampling.top_k, sampling.top_p)
         self.seconds += time.perf_counter() - start
         return tokens, probs
 

@@ -78,9 +78,8 @@ def add_spec_args(parser: argparse.ArgumentParser) -> None:
 
 def add_block_proposals_arg(group: argparse._ActionsContainer) -> None:
     group.add_argument("--block-proposals", choices=list(BLOCK_PROPOSALS), default=EngineConfig.block_proposals,
-                       help="a block head's drafts at T > 0: argmax (verified with a one-hot q), sample (each "
-                            "drawn from its own row's distribution) or sample-first (the first drawn, the argmax after "
-                            f"it); default {EngineConfig.block_proposals}")
+                       help="a block head's drafts at T > 0: argmax (verified with a one-hot q) or sample (each "
+                            f"drawn from its own row's distribution); default {EngineConfig.block_proposals}")
 
 
 DEFAULT_NUM_DRAFT_TOKENS = 4

@@ -123,7 +123,7 @@ def block_second_token_logits(model, head, prompt: list[int], rows: int) -> torc
     return head(torch.arange(vocab), block_pos, context, torch.ones(vocab, len(prompt), dtype=torch.bool))[:, 0]
 
 
-@pytest.mark.parametrize("proposals", ["argmax", "sample", "sample-first"])
+@pytest.mark.parametrize("proposals", ["argmax", "sample"])
 def test_sampled_tokens_follow_the_target(stories_model, stories_tokenizer, stories_reference, block_head, proposals):
     """N requests generate (t1, t2) at T=1, t2 from one speculative step (K=2: two drafts from one block); the pairs
     fit the target's exact joint distribution and fit neither the drafter's nor a verifier that resamples a rejection
@@ -145,7 +145,7 @@ def test_sampled_tokens_follow_the_target(stories_model, stories_tokenizer, stor
 
     p1, p2 = target_conditionals(stories_reference, prompt, setting)
     logits = block_second_token_logits(stories_model, block_head, prompt, engine.drafter.block_rows(2))
-    if proposals != "argmax":  # sample and sample-first draw the first draft
+    if proposals == "sample":
         q2 = filtered_rows(logits, setting, p1 > 0)
     else:
         q2 = torch.nn.functional.one_hot(logits.argmax(-1), vocab).double() * (p1 > 0)[:, None]
@@ -259,7 +259,7 @@ def test_proposals_at_t_above_zero_are_the_engine_configs(stories_model, stories
     engine.attach_drafter("block", block_head)
     assert engine.drafter.proposals == "argmax" and engine.drafter.short_blocks is False
     bad = engine_for(stories_model, stories_tokenizer, 3, page_size=8, num_pages=64, block_proposals="top")
-    with pytest.raises(ValueError, match="block_proposals='top': choose one of argmax, sample, sample-first"):
+    with pytest.raises(ValueError, match="block_proposals='top': choose one of argmax, sample"):
         bad.attach_drafter("block", block_head)
     parser = argparse.ArgumentParser()
     add_spec_args(parser)

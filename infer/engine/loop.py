@@ -49,8 +49,8 @@ class EngineConfig:
     # plain decode steps (no drafter) launch the next step from the device's sampled tokens before the host reads
     # them (`infer.engine.overlap`); the same tokens either way, off by default until the GPU check has timed it
     overlap: bool = False
-    # a block head's drafts at T > 0 (`infer.block_drafter.BLOCK_PROPOSALS`): "argmax" (verified with a one-hot q),
-    # "sample" (each drawn from its own row's distribution) or "sample-first" (the first drawn, the argmax after it)
+    # a block head's drafts at T > 0 (`infer.block_drafter.BLOCK_PROPOSALS`): "argmax" (verified with a one-hot q)
+    # or "sample" (each drawn from its own row's distribution)
     block_proposals: str = "argmax"
 
 
