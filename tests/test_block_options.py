@@ -152,3 +152,22 @@ def test_more_key_value_heads_start_as_the_target_layer(stories_model):
         head_config_for(stories_model.config, {}, "block", num_key_value_heads=3)
     cfg = compose_training(["head=block", "head.num_key_value_heads=8"], complete=False)
     assert head_config(stories_model.config, cfg.head, {}).decoder["num_key_value_heads"] == 8
+
+
+@pytest.mark.parametrize("num_layers", [1, 2])
+def test_a_step_runs_the_last_layer_on_the_rows_it_keeps(stories_model, num_layers):
+    """The runtime's K drafts (the last layer querying and running its MLP on rows 1..K alone, every row's keys and
+    values still read) equal the first K of the whole block's; the control, rows 2..K+1, does not."""
+    head = init_head_from_target(stories_model, "stories260K", "block", block_size=8, num_layers=num_layers)
+    gen = torch.Generator().manual_seed(2)
+    with torch.no_grad():
+        head.mask_embedding.normal_(generator=gen)  # mask rows unlike each other's neighbours' positions
+        features, first = torch.randn(10, 64, generator=gen), torch.tensor([5, 9, 11])
+        context = [kv[None] for kv in head.context_kv(features, torch.arange(10))]
+        positions = 10 + torch.arange(8).expand(3, -1)
+        valid = torch.arange(10).expand(3, -1) < torch.tensor([[10], [6], [9]])
+        whole = head(first, positions, context, valid)
+        kept = head(first, positions, context, valid, num_drafts=3)
+    assert kept.shape == (3, 3, 512)
+    torch.testing.assert_close(kept, whole[:, :3], rtol=1e-5, atol=1e-5)
+    assert (kept - whole[:, 1:4]).abs().max() > 1e-2

@@ -105,18 +105,21 @@ class BlockAttention(nn.Module):
         return apply_rope_half(k, cos, sin), v
 
     def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, ctx_k: torch.Tensor,
-                ctx_v: torch.Tensor, ctx_valid: torch.Tensor) -> torch.Tensor:
+                ctx_v: torch.Tensor, ctx_valid: torch.Tensor, rows: slice = slice(None)) -> torch.Tensor:
         """x [N, B, H] block rows (normed); cos/sin [N*B, 1, D]; ctx_k/ctx_v [N or 1, L, kv heads, D] rotated;
-        ctx_valid [N, L] the context keys each block sees -> [N, B, H]."""
+        ctx_valid [N, L] the context keys each block sees -> [N, R, H] at the block rows `rows` (keys and values
+        come from every row; only the rows asked for query)."""
         n, b, _ = x.shape
-        flat = x.flatten(0, 1)
-        q = self.q_proj(flat).unflatten(-1, (self.num_heads, self.head_dim))
-        q = apply_rope_half(self.q_norm(q) if self.qk_norm else q, cos, sin)
-        k, v = self.kv(flat, cos, sin)
+        k, v = self.kv(x.flatten(0, 1), cos, sin)
+        queries = x[:, rows]
+        r = queries.shape[1]
+        q = self.q_proj(queries.flatten(0, 1)).unflatten(-1, (self.num_heads, self.head_dim))
+        q_cos, q_sin = (t.unflatten(0, (n, b))[:, rows].flatten(0, 1) for t in (cos, sin))
+        q = apply_rope_half(self.q_norm(q) if self.qk_norm else q, q_cos, q_sin)
         k = torch.cat((ctx_k.expand(n, -1, -1, -1), k.unflatten(0, (n, b))), dim=1)  # [N, L+B, kvh, D]
         v = torch.cat((ctx_v.expand(n, -1, -1, -1), v.unflatten(0, (n, b))), dim=1)
         mask = torch.cat((ctx_valid, ctx_valid.new_ones(n, b)), dim=1)  # [N, L+B]
-        return self.o_proj(block_attention(q.unflatten(0, (n, b)), k, v, mask).flatten(2))
+        return self.o_proj(block_attention(q.unflatten(0, (n, r)), k, v, mask).flatten(2))
 
 
 class BlockDecoderLayer(nn.Module):
@@ -129,8 +132,9 @@ class BlockDecoderLayer(nn.Module):
         self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
 
     def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, ctx_k: torch.Tensor,
-                ctx_v: torch.Tensor, ctx_valid: torch.Tensor) -> torch.Tensor:
-        x = x + self.self_attn(self.input_layernorm(x), cos, sin, ctx_k, ctx_v, ctx_valid)
+                ctx_v: torch.Tensor, ctx_valid: torch.Tensor, rows: slice = slice(None)) -> torch.Tensor:
+        """[N, B, H] -> [N, R, H] at the block rows `rows` (every row's keys and values feed them)."""
+        x = x[:, rows] + self.self_attn(self.input_layernorm(x), cos, sin, ctx_k, ctx_v, ctx_valid, rows)
         return x + self.mlp(self.post_attention_layernorm(x))
 
 
@@ -191,21 +195,24 @@ class BlockHead(DraftHead):
         return self.shared.embed_tokens(token)[0]
 
     def block_hidden(self, x: torch.Tensor, positions: torch.Tensor, context: list[torch.Tensor],
-                     ctx_valid: torch.Tensor) -> torch.Tensor:
+                     ctx_valid: torch.Tensor, rows: slice = slice(None)) -> torch.Tensor:
         """x [N, B, H] block inputs at positions [N, B]; context: per layer [N or 1, L, 2, kvh, D] (`context_kv`'s
-        rows, gathered); ctx_valid [N, L] -> [N, B, H] the last layer's output (before final_norm)."""
+        rows, gathered); ctx_valid [N, L] -> [N, R, H] the last layer's output (before final_norm) at the block
+        rows `rows`: the last layer queries, attends and runs its MLP on those rows alone (the same values)."""
         cos, sin = self.rotary_emb.half_split(positions.flatten())
-        for layer, kv in zip(self.layers, context):
-            x = layer(x, cos, sin, kv[:, :, 0], kv[:, :, 1], ctx_valid)
+        last = len(self.layers) - 1
+        for i, (layer, kv) in enumerate(zip(self.layers, context)):
+            x = layer(x, cos, sin, kv[:, :, 0], kv[:, :, 1], ctx_valid, rows if i == last else slice(None))
         return x
 
     def forward(self, first_ids: torch.Tensor, positions: torch.Tensor, context: list[torch.Tensor],
                 ctx_valid: torch.Tensor, num_drafts: int | None = None) -> torch.Tensor:
         """[N] pending tokens at positions [N, B] -> [N, num_drafts or B-1, V] fp32 logits of the drafts at positions
-        1..num_drafts: the lm_head (a vocabulary wide) runs on the rows a step keeps, not the whole block."""
+        1..num_drafts: the last layer's queries, MLP and the lm_head run on the rows a step keeps, not the block."""
         assert self.shared is not None, "attach() the target's weights first"
-        x = self.block_hidden(self.block_inputs(first_ids, positions.shape[1]), positions, context, ctx_valid)
-        return self.compute_logits(x[:, 1:1 + num_drafts] if num_drafts else x[:, 1:])
+        keep = slice(1, 1 + num_drafts) if num_drafts else slice(1, None)
+        x = self.block_hidden(self.block_inputs(first_ids, positions.shape[1]), positions, context, ctx_valid, keep)
+        return self.compute_logits(x)
 
     # --- KV cache: every layer's context keys/values, one row per slot (page * page_size + offset) ---------------
     def allocate_kv_cache(self, num_pages: int, page_size: int, dtype: torch.dtype, device: torch.device) -> list:
