@@ -12,8 +12,8 @@ import torch
 
 from infer import parallel
 from infer.atomic_io import OutputExistsError
-from infer.engine import EngineConfig
 from infer.block_drafter import BLOCK_PROPOSALS
+from infer.engine import EngineConfig
 from infer.loader import DTYPES, ModelLoadError
 from infer.models.mtp_head import HeadLoadError, read_head_config
 
