@@ -100,13 +100,14 @@ class BlockDrafter(Drafter):
         start = time.perf_counter()
         logits = self.block_logits(requests, self.block_rows(k), k)  # [B, k, V]
         self.runner.forward_s += time.perf_counter() - start
-        tokens = logits.argmax(-1)
-        probs = None
-        if not sampling.all_greedy and self.proposals == "sample":  # each row's draw, q its distribution
+        if sampling.all_greedy:
+            tokens, probs = logits.argmax(-1), None
+        elif self.proposals == "sample":  # each row's draw, q its distribution
+            tokens = torch.stack([sample(logits[:, j], sampling, generators) for j in range(k)], dim=1)
             probs = torch.stack([target_probs(logits[:, j], sampling.temperature, sampling.top_k, sampling.top_p)
                                  for j in range(k)], dim=1)
-            tokens = torch.stack([sample(logits[:, j], sampling, generators) for j in range(k)], dim=1)
-        elif not sampling.all_greedy:  # the argmax, its distribution a one-hot q
+        else:  # the argmax, its distribution a one-hot q
+            tokens = logits.argmax(-1)
             probs = torch.nn.functional.one_hot(tokens, logits.shape[-1]).float()
         self.seconds += time.perf_counter() - start
         return tokens, probs

@@ -119,10 +119,12 @@ def engine_kwargs(args: argparse.Namespace, max_num_seqs: int) -> dict:
             raise CliError(f"--{flag.replace('_', '-')} must be >= 1, got {value}")
     if max_num_seqs < 1:
         raise CliError(f"--batch-size must be >= 1, got {max_num_seqs}")
+    # --block-proposals comes with the spec flags; a CLI without them (data_tools.regenerate) attaches no drafter
+    proposals = getattr(args, "block_proposals", EngineConfig.block_proposals)
     return dict(page_size=args.page_size, num_pages=args.num_pages, max_num_seqs=max_num_seqs,
                 max_num_batched_tokens=args.max_num_batched_tokens, backend=args.attention_backend,
                 decode_run_steps=args.decode_run_steps, cuda_graphs="on" if args.cuda_graphs else "off",
-                overlap=args.overlap, block_proposals=getattr(args, "block_proposals", EngineConfig.block_proposals))
+                overlap=args.overlap, block_proposals=proposals)
 
 
 def run_cli(main: Callable[[], int]) -> int:
