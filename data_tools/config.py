@@ -105,6 +105,7 @@ class HeadConfig:
     dpace_alpha: float = field(default=0.5, metadata=at_least(1e-6, max=1.0))
     mask_token_id: Optional[int] = field(default=None, metadata=at_least(0))  # a reserved id; null: a learned row
     qk_norm: bool = False  # per-head q/k RMSNorm (Qwen3's; what the engines' DFlash layers have: exportable)
+    anchor_input: bool = False  # the mask rows also read [c_{p-1}; Emb(t_p)] (infer.models.block_head; not exportable)
 
 
 # --- precompute -----------------------------------------------------------------------------------------------

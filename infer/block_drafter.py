@@ -4,7 +4,8 @@ Catch-up (`propose`, after every target forward): every row the forward computed
 context keys/values (fc + hidden_norm of the target layers it reads, then each layer's k/v, rotated at the row's
 position) and written into the head's per-layer cache at the row's slot, on the target's own page tables. Rows past
 a verify's accepted prefix are written too: a draft reads only the settled positions, and the next target forward
-rewrites those slots before they are settled.
+rewrites those slots before they are settled. An `anchor_input` head's mask rows read c_{p-1} too: every row's
+context feature is kept a slot (`anchor_cache`), and a step gathers each request's at its last settled position.
 
 A step (`draft`): one forward of the block, B rows a request at positions p..p+B-1 (p = num_computed, the pending
 token's position) reading the context slots 0..p-1 gathered from the pages; its rows 1..K give the K drafts, then
@@ -29,6 +30,7 @@ import torch
 from torch import Tensor
 
 from infer.cuda_graphs import GraphSettings
+from infer.device_copy import device_tensor
 from infer.sampler import SamplingTensors, sample, target_probs
 from infer.speculative import DRAFTERS, Drafter, SpeculatingRequest, TargetRows
 
@@ -51,6 +53,9 @@ class BlockDrafter(Drafter):
             raise ValueError(f"block_proposals={proposals!r}: choose one of {', '.join(BLOCK_PROPOSALS)}")
         self.proposals = proposals
         self.short_blocks = short_blocks
+        # an anchor_input head's mask rows read c_{p-1}: every position's context feature, a row per slot
+        self.anchor_cache = torch.zeros(num_pages * page_size, model.config.hidden_size, dtype=self.runner.dtype,
+                                        device=self.device) if model.config.anchor_input else None
 
     @property
     def head(self) -> torch.nn.Module:
@@ -64,6 +69,8 @@ class BlockDrafter(Drafter):
         features = self.head.features(out.hidden_states, aux.to(self.runner.dtype))
         for cache, kv in zip(self.runner.kv_caches, self.head.context_kv(features, rows.meta.positions)):
             cache.index_copy_(0, rows.meta.slot_mapping, kv.to(cache.dtype))
+        if self.anchor_cache is not None:
+            self.anchor_cache.index_copy_(0, rows.meta.slot_mapping, features.to(self.anchor_cache.dtype))
         elapsed = time.perf_counter() - start
         self.runner.forward_s += elapsed
         self.seconds += elapsed
@@ -78,18 +85,25 @@ class BlockDrafter(Drafter):
         """[B, num_drafts or rows - 1, V] each request's draft logits from one block forward of `rows` rows (default:
         the trained block) over its settled context."""
         device, size = self.device, self.page_size
-        lens = torch.tensor([r.num_computed for r in requests], device=device)  # context length = pending position
-        longest = max(int(lens.max()), 1)
-        pages = torch.nn.utils.rnn.pad_sequence(
-            [torch.tensor(r.page_table.pages, device=device) for r in requests], batch_first=True)  # [B, max pages]
+        lens = [r.num_computed for r in requests]  # context length = pending position; on the host: no device read
+        longest, width = max(max(lens), 1), max(len(r.page_table.pages) for r in requests)
+        pages = device_tensor([r.page_table.pages + [0] * (width - len(r.page_table.pages)) for r in requests],
+                              device)  # [B, max pages], one copy
+        lens_t = device_tensor(lens, device)
         pos = torch.arange(longest, device=device)
-        valid = pos[None, :] < lens[:, None]  # [B, L]
-        page_index = (pos // size).clamp(max=pages.shape[1] - 1).expand(len(requests), -1)
+        valid = pos[None, :] < lens_t[:, None]  # [B, L]
+        page_index = (pos // size).clamp(max=width - 1).expand(len(requests), -1)
         slots = torch.where(valid, pages.gather(1, page_index) * size + pos % size, 0)  # [B, L]
-        context = [cache[slots] for cache in self.runner.kv_caches]  # per layer [B, L, 2, kvh, D]
-        positions = lens[:, None] + torch.arange(rows or self.block_size, device=device)  # [B, rows]
-        first = torch.tensor([r.token_ids[-1] for r in requests], device=device)
-        return self.head(first, positions, context, valid, num_drafts)
+        flat = slots.flatten()  # index_select: one gather kernel, where cache[slots] indexes in general
+        context = [cache.index_select(0, flat).view(*slots.shape, *cache.shape[1:])
+                   for cache in self.runner.kv_caches]  # per layer [B, L, 2, kvh, D]
+        positions = lens_t[:, None] + torch.arange(rows or self.block_size, device=device)  # [B, rows]
+        first = device_tensor([r.token_ids[-1] for r in requests], device)
+        anchor = None if self.anchor_cache is None else self.anchor_cache.index_select(
+            0, slots.gather(1, (lens_t - 1).clamp(min=0)[:, None]).flatten())  # [B, H] c_{p-1}
+        # contexts of one length (batch 1 always): no padded key to hide, no mask to build or add
+        valid = None if min(lens) == longest else valid
+        return self.head(first, positions, context, valid, num_drafts, anchor)
 
     def draft(self, requests: Sequence[SpeculatingRequest], k: int, sampling: SamplingTensors,
               generators: Sequence[torch.Generator]) -> tuple[Tensor, Tensor | None]:

@@ -109,12 +109,14 @@ def block_outputs(head: BlockHead, batch: PackedBatch, plan: BlockPlan) -> torch
         return batch.hidden_states.new_zeros(0, head.block_size, head.config.hidden_size)
     offsets, anchors = torch.cat(starts).to(device), torch.cat(plan.anchors).to(device)  # [N]
     positions = torch.cat([torch.arange(n) for n in batch.seq_lens]).to(device)  # [T] within each record
-    context_kv = head.context_kv(head.features(batch.hidden_states, batch.aux_hidden_states), positions)
+    features = head.features(batch.hidden_states, batch.aux_hidden_states)  # [T, H] c_j
+    context_kv = head.context_kv(features, positions)
     pos = torch.arange(int(anchors.max()), device=device)
     valid = pos[None, :] < anchors[:, None]  # [N, L] strictly before the anchor
     rows = torch.where(valid, offsets[:, None] + pos[None, :], 0)
     block_pos = anchors[:, None] + torch.arange(head.block_size, device=device)
-    x = head.block_inputs(batch.input_ids[offsets + anchors])
+    anchor_features = features[offsets + anchors - 1] if head.config.anchor_input else None  # c_{a-1}
+    x = head.block_inputs(batch.input_ids[offsets + anchors], None, anchor_features)
     return head.block_hidden(x, block_pos, [kv[rows] for kv in context_kv], valid)
 
 

@@ -274,6 +274,9 @@ DFLASH_NEEDS = {
                      "dflash_config.mask_token_id; vLLM alone overrides that row from a pickled mask_embedding.pt, "
                      "which this project does not write); this head learned its own mask row: train with "
                      "head.mask_token_id=<a reserved id> where the tokenizer has one",
+    "anchor_input": "mask rows that read the context only through keys and values (the engines' DFlash blocks add "
+                    "nothing to a mask row's input); this head's mask rows also read the anchor "
+                    "(head.anchor_input=true): train without it",
 }
 DFLASH_LOADERS: tuple[Loader, ...] = (
     Loader("dflash", "speculators", "DFlashDraftModel (speculators_model_type dflash)", (SPECULATORS_DFLASH,),

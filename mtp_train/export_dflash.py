@@ -35,7 +35,8 @@ VERIFIER_ARCHITECTURES = ["LlamaForCausalLM"]
 def dflash_problems(config: MTPHeadConfig) -> list[str]:
     """What the engines' DFlash drafters need that this block head lacks (DFLASH_NEEDS), one reason each."""
     return ([DFLASH_NEEDS["qk_norm"]] if not config.qk_norm else []) + \
-        ([DFLASH_NEEDS["mask_token_id"]] if config.mask_token_id is None else [])
+        ([DFLASH_NEEDS["mask_token_id"]] if config.mask_token_id is None else []) + \
+        ([DFLASH_NEEDS["anchor_input"]] if config.anchor_input else [])
 
 
 def dflash_tensors(head: DraftHead) -> dict[str, torch.Tensor]:

@@ -56,7 +56,8 @@ def head_config(config: PretrainedConfig, head_cfg: HeadConfig, identity: dict) 
         return head_config_for(config, identity, "block", layer_ids=layer_ids,
                                intermediate_size=head_cfg.intermediate_size, block_size=head_cfg.block_size,
                                num_layers=head_cfg.num_layers, mask_token_id=head_cfg.mask_token_id,
-                               qk_norm=bool(head_cfg.qk_norm), num_key_value_heads=head_cfg.num_key_value_heads)
+                               qk_norm=bool(head_cfg.qk_norm), num_key_value_heads=head_cfg.num_key_value_heads,
+                               anchor_input=bool(head_cfg.anchor_input))
     return head_config_for(config, identity, head_cfg.architecture, head_cfg.hidden_state, head_cfg.mlp,
                            layer_ids=layer_ids, intermediate_size=head_cfg.intermediate_size,
                            num_key_value_heads=head_cfg.num_key_value_heads,

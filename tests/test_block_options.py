@@ -2,7 +2,9 @@
 the weights against hand-worked values, the draft confidence they read, the objective's loss against a materialised
 reference on an untrained block head started from stories260K's last layer, a few training steps with it, and its
 config values; head.mask_token_id from the config into the head (its function: tests/test_block_head.py);
-head.num_key_value_heads (wider values: the same function at the start)."""
+head.num_key_value_heads (wider values: the same function at the start); the block attention against a per-head
+reference, and a batch of contexts of different lengths against each drafted alone; head.anchor_input (the mask rows
+reading the anchor) from the config to the runtime, whose drafts equal the training forward's."""
 
 from __future__ import annotations
 
@@ -13,12 +15,18 @@ import torch
 
 from data_tools.config import ConfigError
 from infer.engine import Engine, EngineConfig
+from infer.models.block_head import block_attention
 from infer.models.mtp_head import HeadLoadError, head_config_for, init_head_from_target
-from mtp_train.block_unroll import BlockObjective, block_outputs, block_rows, dpace_weights, greedy_confidence
+from infer.sampling_params import SamplingParams
+from mtp_train.block_unroll import (BlockObjective, anchor_plan, block_outputs, block_rows, dpace_weights,
+                                    greedy_confidence)
 from mtp_train.config import compose_training
+from mtp_train.data import PackedBatch
+from mtp_train.export_dflash import dflash_problems
 from mtp_train.heads import head_config
 from mtp_train.losses import target_distribution
 from mtp_train.unroll import LossWeights
+from mtp_train.validate import packed_target_forward
 from tests.fitted_block_head import objective_for
 from tests.fitted_head import TRAIN_PROMPTS, adam_fit, greedy_batch
 
@@ -124,6 +132,16 @@ def test_mask_token_id_config_reaches_the_head_config(stories_model):
         compose_training(["head=block", "head.mask_token_id=-1"], complete=False)
 
 
+def test_anchor_input_config_reaches_the_head_config_and_is_not_exported_as_dflash(stories_model):
+    cfg = compose_training(["head=block", "head.anchor_input=true"], complete=False)
+    config = head_config(stories_model.config, cfg.head, {})
+    assert config.anchor_input and not head_config(
+        stories_model.config, compose_training(["head=block"], complete=False).head, {}).anchor_input
+    assert any("head.anchor_input=true" in reason for reason in dflash_problems(config))
+    with pytest.raises(HeadLoadError, match="anchor_input are block head options, not mtp's"):
+        head_config_for(stories_model.config, {}, "mtp", anchor_input=True)
+
+
 def test_more_key_value_heads_start_as_the_target_layer(stories_model):
     """head.num_key_value_heads=8 on a target of 4: the untrained block head is the same function as the 4-head one
     (each key and value head repeated for the query heads it served; tiled instead, the control, it is not), and the
@@ -171,3 +189,100 @@ def test_a_step_runs_the_last_layer_on_the_rows_it_keeps(stories_model, num_laye
     assert kept.shape == (3, 3, 512)
     torch.testing.assert_close(kept, whole[:, :3], rtol=1e-5, atol=1e-5)
     assert (kept - whole[:, 1:4]).abs().max() > 1e-2
+
+
+def _per_head_attention(q, k, v, mask, group):
+    """Written out per block, row and query head: query head h reads key/value head h // group (HF's repeat_kv);
+    a key is seen where the mask says."""
+    out = torch.empty_like(q)
+    for n in range(q.shape[0]):
+        for r in range(q.shape[1]):
+            for h in range(q.shape[2]):
+                keys, values = k[n, :, h // group], v[n, :, h // group]  # [S, D]
+                scores = (keys @ q[n, r, h]) / q.shape[-1] ** 0.5
+                weights = scores.masked_fill(~mask[n], float("-inf")).softmax(0)
+                out[n, r, h] = weights @ values
+    return out
+
+
+def test_block_attention_equals_a_per_head_reference():
+    """block_attention folds each key/value head's query heads into its rows; the result is every query head
+    attending over its own key/value head's visible keys. Controls: the heads mapped the other way round (head h on
+    key/value head h % 2), or the mask ignored, differ from the reference."""
+    gen = torch.Generator().manual_seed(0)
+    q = torch.randn(3, 5, 8, 4, generator=gen)  # 3 blocks of 5 rows, 8 query heads
+    k, v = torch.randn(3, 9, 2, 4, generator=gen), torch.randn(3, 9, 2, 4, generator=gen)  # 2 key/value heads
+    mask = torch.arange(9).expand(3, -1) < torch.tensor([[9], [4], [7]])
+    reference = _per_head_attention(q, k, v, mask, group=4)
+    torch.testing.assert_close(block_attention(q, k, v, mask), reference, rtol=1e-5, atol=1e-5)
+    order = torch.arange(8).view(2, 4).t().flatten()  # query head h read as the fold's head order[h]
+    strided = block_attention(q[:, :, order], k, v, mask)[:, :, order.argsort()]
+    assert (strided - reference).abs().max() > 1e-2
+    assert (block_attention(q, k, v, torch.ones_like(mask)) - reference).abs().max() > 1e-2
+
+
+def test_a_batch_drafts_what_each_request_drafts_alone(stories_model, stories_tokenizer, monkeypatch):
+    """Contexts of different lengths in one block forward (padded to the longest, the padding masked) draft what
+    each request drafts alone (one length: no mask at all). Control: the batch with its mask dropped differs."""
+    import infer.models.block_head as block_module
+
+    head = init_head_from_target(stories_model, "stories260K", "block", block_size=8, num_layers=2)
+    with torch.no_grad():
+        head.mask_embedding.normal_(generator=torch.Generator().manual_seed(3))
+    engine = Engine(stories_model, stories_tokenizer, [2],
+                    EngineConfig(num_draft_tokens=3, backend="torch", page_size=8, num_pages=64))
+    engine.attach_drafter("block", head)
+    for prompt in (TRAIN_PROMPTS[0], TRAIN_PROMPTS[1] + " " + TRAIN_PROMPTS[2]):
+        engine.add_request(prompt, SamplingParams(max_new_tokens=32, ignore_eos=True))
+    for _ in range(3):
+        engine.step()
+    requests = engine.running
+    assert len(requests) == 2 and requests[0].num_computed != requests[1].num_computed
+    drafter = engine.drafter
+    with torch.inference_mode():
+        alone = torch.cat([drafter.block_logits([r], 8, 3) for r in requests])
+        torch.testing.assert_close(drafter.block_logits(requests, 8, 3), alone, rtol=1e-5, atol=1e-5)
+        monkeypatch.setattr(block_module, "block_attention", lambda q, k, v, mask: block_attention(q, k, v, None))
+        assert (drafter.block_logits(requests, 8, 3) - alone).abs().max() > 1e-2
+
+
+def test_an_anchor_input_head_drafts_at_runtime_what_training_computes(stories_model, stories_tokenizer):
+    """head.anchor_input: each mask row adds anchor_fc([c_{p-1}; Emb(t_p)]). After a prefill and verify steps (its
+    feature cache written by every catch-up, rejected rows included), the runtime's drafts equal the training
+    forward's (block_outputs, c_{a-1} from the packed record) at the same anchor of the same text. Controls: the
+    anchor's feature one position early, or the head without its anchor_fc, differ."""
+    head = init_head_from_target(stories_model, "stories260K", "block", block_size=8, anchor_input=True)
+    gen = torch.Generator().manual_seed(4)
+    with torch.no_grad():
+        head.mask_embedding.normal_(generator=gen)
+        head.anchor_fc.weight.normal_(std=0.3, generator=gen)
+    engine = Engine(stories_model, stories_tokenizer, [2],
+                    EngineConfig(num_draft_tokens=3, backend="torch", page_size=8, num_pages=64))
+    engine.attach_drafter("block", head)
+    engine.add_request(TRAIN_PROMPTS[0], SamplingParams(max_new_tokens=32, ignore_eos=True))
+    for _ in range(4):
+        engine.step()
+    (request,) = engine.running
+    with torch.inference_mode():
+        runtime = engine.drafter.block_logits([request], 8, 3)[0]  # [3, V]
+
+    anchor = request.num_computed  # the pending token's position
+    text = request.token_ids[: anchor + 1]
+    target = packed_target_forward(stories_model, [text], head.target_aux_layers)
+    aux = torch.stack([target.aux_hidden_states[i] for i in head.target_aux_layers], dim=1)
+    batch = PackedBatch(torch.tensor(text), target.hidden_states, torch.ones(len(text), dtype=torch.bool),
+                        [len(text)], [0], aux)
+    with torch.no_grad():
+        trained = head.compute_logits(block_outputs(head, batch, anchor_plan(batch, 0, anchors=[
+            torch.tensor([anchor])]))[:, 1:4])[0]
+        torch.testing.assert_close(runtime, trained, rtol=1e-4, atol=1e-4)
+        features = head.features(target.hidden_states, aux)
+        context = [kv[None, :anchor] for kv in head.context_kv(features, torch.arange(len(text)))]
+        positions = (anchor + torch.arange(8))[None]
+        first = torch.tensor([text[anchor]])
+        direct = head(first, positions, context, None, 3, features[anchor - 1 : anchor])[0]
+        shifted = head(first, positions, context, None, 3, features[anchor - 2 : anchor - 1])[0]
+        torch.testing.assert_close(direct, trained, rtol=1e-4, atol=1e-4)
+        assert (shifted - trained).abs().max() > 1e-2
+        head.anchor_fc.weight.zero_()
+        assert (head(first, positions, context, None, 3, features[anchor - 1 : anchor])[0] - trained).abs().max() > 1e-2

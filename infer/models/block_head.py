@@ -13,6 +13,10 @@ with no mask inside the block (bidirectional) and every context position before 
 context enters through keys and values only, never through the residual stream). Block row k's output, through
 final_norm and the target's lm_head (frozen, shared), drafts the token at position p+k, k = 1..B-1.
 
+`anchor_input` (off by default; not in the engines' DFlash formats): each mask row also adds anchor_fc([c_{p-1};
+Emb(t_p)]), MTP's first-step input, so that its queries depend on the text from the first layer on; a one-layer head's
+mask rows otherwise query by position alone (docs/block_head.md measures both).
+
 The context's keys/values depend on the target alone, so the runtime projects them once, after the target forward
 that computed the position (`context_kv`), into a paged cache per layer indexed by the target's page tables; a draft
 step then runs the block's B rows alone (infer.block_drafter). Training computes the same `context_kv` over a whole
@@ -46,7 +50,8 @@ MIN_BLOCK_SIZE = 2  # the pending token and at least one mask row
 
 
 def block_config_fields(target_config: PretrainedConfig, layer_ids: list[int] | None, block_size: int,
-                        num_layers: int, mask_token_id: int | None = None, qk_norm: bool = False) -> dict:
+                        num_layers: int, mask_token_id: int | None = None, qk_norm: bool = False,
+                        anchor_input: bool = False) -> dict:
     """MTPHeadConfig's block-head fields for a target, checked (HeadLoadError naming the value)."""
     if target_config.model_type != "llama":
         raise HeadLoadError(f"block heads are built for Llama targets, not {target_config.model_type!r}")
@@ -63,14 +68,25 @@ def block_config_fields(target_config: PretrainedConfig, layer_ids: list[int] | 
                             f"{target_config.vocab_size}-token vocabulary")
     return dict(aux_layer_ids=ids, block_size=int(block_size), num_layers=int(num_layers), enorm=False, hnorm=False,
                 final_norm=True, proj_bias=False, layer_input_norm=True,
-                mask_token_id=None if mask_token_id is None else int(mask_token_id), qk_norm=bool(qk_norm))
+                mask_token_id=None if mask_token_id is None else int(mask_token_id), qk_norm=bool(qk_norm),
+                anchor_input=bool(anchor_input))
 
 
-def block_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
-    """q [N, B, heads, D], k/v [N, S, kv heads, D], mask [N, S] (the keys each block sees) -> [N, B, heads, D]."""
-    out = F.scaled_dot_product_attention(q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2),
-                                         attn_mask=mask[:, None, None, :], enable_gqa=k.shape[2] != q.shape[2])
-    return out.transpose(1, 2)
+def block_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor | None) -> torch.Tensor:
+    """q [N, B, heads, D], k/v [N, S, kv heads, D], mask [N, S] (the keys each block sees; None: all) -> [N, B,
+    heads, D].
+
+    The query heads sharing a key/value head are folded into its query rows ([N, kv heads, B * G, D], as
+    infer.attention.groups' attend_cached does): one SDPA call reads each key once per kv head, where `enable_gqa`
+    copies keys and values out per query head; the mask is additive in q's dtype (a boolean one is converted on every
+    call). Half the attention's time at 32 blocks on the CPU (docs/block_head.md)."""
+    n, rows, heads, dim = q.shape
+    kv_heads = k.shape[2]
+    folded = q.reshape(n, rows, kv_heads, heads // kv_heads, dim).transpose(1, 2).reshape(n, kv_heads, -1, dim)
+    bias = None if mask is None else torch.zeros(mask.shape, dtype=q.dtype, device=q.device).masked_fill_(
+        ~mask, float("-inf"))[:, None, None]
+    out = F.scaled_dot_product_attention(folded, k.transpose(1, 2), v.transpose(1, 2), attn_mask=bias)
+    return out.view(n, kv_heads, rows, heads // kv_heads, dim).transpose(1, 2).reshape(n, rows, heads, dim)
 
 
 def block_aux_layers(target_config: PretrainedConfig, layer_ids: list[int] | None) -> list[int]:
@@ -105,9 +121,9 @@ class BlockAttention(nn.Module):
         return apply_rope_half(k, cos, sin), v
 
     def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, ctx_k: torch.Tensor,
-                ctx_v: torch.Tensor, ctx_valid: torch.Tensor, rows: slice = slice(None)) -> torch.Tensor:
+                ctx_v: torch.Tensor, ctx_valid: torch.Tensor | None, rows: slice = slice(None)) -> torch.Tensor:
         """x [N, B, H] block rows (normed); cos/sin [N*B, 1, D]; ctx_k/ctx_v [N or 1, L, kv heads, D] rotated;
-        ctx_valid [N, L] the context keys each block sees -> [N, R, H] at the block rows `rows` (keys and values
+        ctx_valid [N, L] the context keys each block sees (None: all) -> [N, R, H] at the block rows `rows` (keys and values
         come from every row; only the rows asked for query)."""
         n, b, _ = x.shape
         k, v = self.kv(x.flatten(0, 1), cos, sin)
@@ -118,7 +134,7 @@ class BlockAttention(nn.Module):
         q = apply_rope_half(self.q_norm(q) if self.qk_norm else q, q_cos, q_sin)
         k = torch.cat((ctx_k.expand(n, -1, -1, -1), k.unflatten(0, (n, b))), dim=1)  # [N, L+B, kvh, D]
         v = torch.cat((ctx_v.expand(n, -1, -1, -1), v.unflatten(0, (n, b))), dim=1)
-        mask = torch.cat((ctx_valid, ctx_valid.new_ones(n, b)), dim=1)  # [N, L+B]
+        mask = None if ctx_valid is None else torch.cat((ctx_valid, ctx_valid.new_ones(n, b)), dim=1)  # [N, L+B]
         return self.o_proj(block_attention(q.unflatten(0, (n, r)), k, v, mask).flatten(2))
 
 
@@ -132,7 +148,7 @@ class BlockDecoderLayer(nn.Module):
         self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
 
     def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, ctx_k: torch.Tensor,
-                ctx_v: torch.Tensor, ctx_valid: torch.Tensor, rows: slice = slice(None)) -> torch.Tensor:
+                ctx_v: torch.Tensor, ctx_valid: torch.Tensor | None, rows: slice = slice(None)) -> torch.Tensor:
         """[N, B, H] -> [N, R, H] at the block rows `rows` (every row's keys and values feed them)."""
         x = x[:, rows] + self.self_attn(self.input_layernorm(x), cos, sin, ctx_k, ctx_v, ctx_valid, rows)
         return x + self.mlp(self.post_attention_layernorm(x))
@@ -156,6 +172,9 @@ class BlockHead(DraftHead):
         if config.mask_token_id is None:  # no reserved id: a learned row (else the target's frozen row of that id)
             self.mask_embedding = nn.Parameter(torch.zeros(hidden))
         self.layers = nn.ModuleList(BlockDecoderLayer(decoder_config, config.qk_norm) for _ in range(config.num_layers))
+        if config.anchor_input:  # zero at the start: the head begins as the one without it
+            self.anchor_fc = nn.Linear(2 * hidden, hidden, bias=False)
+            nn.init.zeros_(self.anchor_fc.weight)
         self.final_norm = RMSNorm(hidden, config.rms_norm_eps)
         self.rotary_emb = RotaryEmbedding(decoder_config, self.layers[0].self_attn.head_dim)
         self.target_aux_layers = tuple(i - 1 for i in config.aux_layer_ids)
@@ -179,12 +198,20 @@ class BlockHead(DraftHead):
         return [torch.stack(layer.self_attn.kv(features, cos, sin), dim=1) for layer in self.layers]
 
     # --- the block ---------------------------------------------------------------------------------------------
-    def block_inputs(self, first_ids: torch.Tensor, block_size: int | None = None) -> torch.Tensor:
-        """first_ids [N] (each block's pending token) -> [N, B, H]: its embedding, then the mask embedding."""
+    def block_inputs(self, first_ids: torch.Tensor, block_size: int | None = None,
+                     anchor_features: torch.Tensor | None = None) -> torch.Tensor:
+        """first_ids [N] (each block's pending token) -> [N, B, H]: its embedding, then the mask embedding; with
+        `anchor_input` each mask row adds anchor_fc([c_{p-1}; Emb(t_p)]), anchor_features [N, H] being c_{p-1}, the
+        context feature of the position before the block (MTP's first-step input: a query that depends on the text
+        from the first layer on, where the mask row alone attends by position)."""
         block_size = block_size or self.block_size
         emb = cast(self.shared.embed_tokens(first_ids), self.fc.weight.dtype)  # [N, H]
         mask = self.mask_row().to(emb.dtype)
         masks = mask.expand(emb.shape[0], block_size - 1, -1)
+        if self.config.anchor_input:
+            if anchor_features is None:
+                raise ValueError("this block head reads the anchor (anchor_input): pass anchor_features")
+            masks = masks + self.anchor_fc(torch.cat((anchor_features.to(emb.dtype), emb), dim=-1))[:, None]
         return torch.cat((emb[:, None], masks), dim=1)
 
     def mask_row(self) -> torch.Tensor:
@@ -195,9 +222,9 @@ class BlockHead(DraftHead):
         return self.shared.embed_tokens(token)[0]
 
     def block_hidden(self, x: torch.Tensor, positions: torch.Tensor, context: list[torch.Tensor],
-                     ctx_valid: torch.Tensor, rows: slice = slice(None)) -> torch.Tensor:
+                     ctx_valid: torch.Tensor | None, rows: slice = slice(None)) -> torch.Tensor:
         """x [N, B, H] block inputs at positions [N, B]; context: per layer [N or 1, L, 2, kvh, D] (`context_kv`'s
-        rows, gathered); ctx_valid [N, L] -> [N, R, H] the last layer's output (before final_norm) at the block
+        rows, gathered); ctx_valid [N, L] (None: every block sees all L) -> [N, R, H] the last layer's output (before final_norm) at the block
         rows `rows`: the last layer queries, attends and runs its MLP on those rows alone (the same values)."""
         cos, sin = self.rotary_emb.half_split(positions.flatten())
         last = len(self.layers) - 1
@@ -206,12 +233,15 @@ class BlockHead(DraftHead):
         return x
 
     def forward(self, first_ids: torch.Tensor, positions: torch.Tensor, context: list[torch.Tensor],
-                ctx_valid: torch.Tensor, num_drafts: int | None = None) -> torch.Tensor:
+                ctx_valid: torch.Tensor | None, num_drafts: int | None = None,
+                anchor_features: torch.Tensor | None = None) -> torch.Tensor:
         """[N] pending tokens at positions [N, B] -> [N, num_drafts or B-1, V] fp32 logits of the drafts at positions
-        1..num_drafts: the last layer's queries, MLP and the lm_head run on the rows a step keeps, not the block."""
+        1..num_drafts: the last layer's queries, MLP and the lm_head run on the rows a step keeps, not the block.
+        anchor_features [N, H]: each block's c_{p-1} (`block_inputs`), for an `anchor_input` head."""
         assert self.shared is not None, "attach() the target's weights first"
         keep = slice(1, 1 + num_drafts) if num_drafts else slice(1, None)
-        x = self.block_hidden(self.block_inputs(first_ids, positions.shape[1]), positions, context, ctx_valid, keep)
+        x = self.block_inputs(first_ids, positions.shape[1], anchor_features)
+        x = self.block_hidden(x, positions, context, ctx_valid, keep)
         return self.compute_logits(x)
 
     # --- KV cache: every layer's context keys/values, one row per slot (page * page_size + offset) ---------------
@@ -221,7 +251,9 @@ class BlockHead(DraftHead):
                 for _ in self.layers]
 
     def kv_bytes_per_token(self, dtype: torch.dtype) -> int:
-        return len(self.layers) * super().kv_bytes_per_token(dtype)
+        """Every layer's context keys/values, and with `anchor_input` the context feature the drafter keeps a slot."""
+        features = self.config.hidden_size * torch.finfo(dtype).bits // 8 if self.config.anchor_input else 0
+        return len(self.layers) * super().kv_bytes_per_token(dtype) + features
 
     # --- starting points ---------------------------------------------------------------------------------------
     def init_identity_projection(self) -> None:

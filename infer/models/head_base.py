@@ -75,6 +75,8 @@ class MTPHeadConfig:
     num_layers: int = 1
     mask_token_id: int | None = None
     qk_norm: bool = False  # Qwen3's per-head q/k RMSNorm in each block layer (the engines' DFlash layers have it)
+    # the mask rows also read the anchor: a linear of [c_{p-1}; Emb(t_p)] added to each (infer.models.block_head)
+    anchor_input: bool = False
 
     def num_draft_tokens_for(self, batch_size: int) -> int | None:
         """The recommended K at the largest measured batch size <= batch_size (the smallest one below them all); 0

@@ -187,7 +187,8 @@ def head_config_for(target_config: PretrainedConfig, identity: dict, architectur
                     draft_vocab_size: int | None = None, trainable_lm_head: bool = False,
                     norm_before_residual: bool = False, intermediate_size: int | None = None,
                     num_key_value_heads: int | None = None, block_size: int = 8, num_layers: int = 1,
-                    mask_token_id: int | None = None, qk_norm: bool = False, **switches: bool) -> MTPHeadConfig:
+                    mask_token_id: int | None = None, qk_norm: bool = False, anchor_input: bool = False,
+                    **switches: bool) -> MTPHeadConfig:
     """A head whose decoder layer is shaped like one of the target's layers.
 
     The norm and bias switches (enorm, hnorm, final_norm, proj_bias, layer_input_norm) default to the
@@ -199,7 +200,8 @@ def head_config_for(target_config: PretrainedConfig, identity: dict, architectur
     docs/benchmark_history.md "Recipes"). num_key_value_heads: an EAGLE-3 or block layer's key/value heads (None: the
     target's; more widen the only path by which its token reaches the residual stream, same section). block (infer.models.
     block_head): layer_ids as EAGLE-3's, block_size (rows of the query block), num_layers, mask_token_id (the
-    reserved id the mask rows embed as; None: a learned mask embedding) and qk_norm (per-head q/k norms).
+    reserved id the mask rows embed as; None: a learned mask embedding), qk_norm (per-head q/k norms) and
+    anchor_input (the mask rows also read the last context feature and the pending token).
     """
     kind = target_config.model_type
     if kind not in DECODER_KEYS:
@@ -235,9 +237,10 @@ def head_config_for(target_config: PretrainedConfig, identity: dict, architectur
         if draft_vocab_size is not None or trainable_lm_head or norm_before_residual:
             raise HeadLoadError("a draft vocabulary, a trainable lm_head and norm_before_residual are EAGLE-3 options, "
                                 "not block's")
-        fields = block_config_fields(target_config, layer_ids, block_size, num_layers, mask_token_id, qk_norm)
-    elif mask_token_id is not None or qk_norm:
-        raise HeadLoadError(f"mask_token_id and qk_norm are block head options, not {architecture}'s")
+        fields = block_config_fields(target_config, layer_ids, block_size, num_layers, mask_token_id, qk_norm,
+                                     anchor_input)
+    elif mask_token_id is not None or qk_norm or anchor_input:
+        raise HeadLoadError(f"mask_token_id, qk_norm and anchor_input are block head options, not {architecture}'s")
     elif architecture == "eagle3":
         fields = eagle3_config_fields(target_config, layer_ids, draft_vocab_size, trainable_lm_head,
                                       norm_before_residual)
