@@ -123,8 +123,8 @@ class BlockAttention(nn.Module):
     def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, ctx_k: torch.Tensor,
                 ctx_v: torch.Tensor, ctx_valid: torch.Tensor | None, rows: slice = slice(None)) -> torch.Tensor:
         """x [N, B, H] block rows (normed); cos/sin [N*B, 1, D]; ctx_k/ctx_v [N or 1, L, kv heads, D] rotated;
-        ctx_valid [N, L] the context keys each block sees (None: all) -> [N, R, H] at the block rows `rows` (keys and values
-        come from every row; only the rows asked for query)."""
+        ctx_valid [N, L] the context keys each block sees (None: all) -> [N, R, H] at the block rows `rows` (keys
+        and values come from every row; only the rows asked for query)."""
         n, b, _ = x.shape
         k, v = self.kv(x.flatten(0, 1), cos, sin)
         queries = x[:, rows]
@@ -224,8 +224,9 @@ class BlockHead(DraftHead):
     def block_hidden(self, x: torch.Tensor, positions: torch.Tensor, context: list[torch.Tensor],
                      ctx_valid: torch.Tensor | None, rows: slice = slice(None)) -> torch.Tensor:
         """x [N, B, H] block inputs at positions [N, B]; context: per layer [N or 1, L, 2, kvh, D] (`context_kv`'s
-        rows, gathered); ctx_valid [N, L] (None: every block sees all L) -> [N, R, H] the last layer's output (before final_norm) at the block
-        rows `rows`: the last layer queries, attends and runs its MLP on those rows alone (the same values)."""
+        rows, gathered); ctx_valid [N, L] (None: every block sees all L) -> [N, R, H] the last layer's output (before
+        final_norm) at the block rows `rows`: the last layer queries, attends and runs its MLP on those rows alone
+        (the same values)."""
         cos, sin = self.rotary_emb.half_split(positions.flatten())
         last = len(self.layers) - 1
         for i, (layer, kv) in enumerate(zip(self.layers, context)):
