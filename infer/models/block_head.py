@@ -253,7 +253,7 @@ class BlockHead(DraftHead):
 
     def kv_bytes_per_token(self, dtype: torch.dtype) -> int:
         """Every layer's context keys/values, and with `anchor_input` the context feature the drafter keeps a slot."""
-        features = self.config.hidden_size * torch.finfo(dtype).bits // 8 if self.config.anchor_input else 0
+        features = self.config.hidden_size * dtype.itemsize if self.config.anchor_input else 0
         return len(self.layers) * super().kv_bytes_per_token(dtype) + features
 
     # --- starting points ---------------------------------------------------------------------------------------
